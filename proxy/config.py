@@ -1,0 +1,307 @@
+"""The settings model: every option declared once, with its default, type, limits and help.
+
+Layers, later ones win: the defaults declared here (rendered verbatim into
+``config/engram.toml``), a user TOML file (``--config``), ``ENGRAM_<SECTION>_<KEY>`` environment
+variables, then command-line flags. Unknown keys and bad values raise :class:`ConfigError` with a
+message that names the key, where it came from and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "ENGRAM_"
+# Environment variables with the prefix that are not settings.
+_ENV_NOT_SETTINGS = frozenset({"ENGRAM_CONFIG"})
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a value outside what it accepts."""
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+        min: float | None = None, max: float | None = None) -> Any:
+    """Declare one setting: its default and a one-line description (plus limits)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """[server] — the HTTP listener."""
+
+    host: str = opt("127.0.0.1", "Address to bind. A non-loopback address also needs allow_remote.")
+    port: int = opt(8787, "TCP port to listen on.", min=0, max=65535)
+    allow_remote: bool = opt(
+        False, "Allow binding a non-loopback address (exposes your memory to the network).")
+    allowed_hosts: list[str] = opt(
+        [], "Extra Host header names to accept besides the bound host and loopback names "
+        "(DNS-rebinding protection).")
+    cors_origins: list[str] = opt(
+        [], "Origins that get CORS headers; empty means no CORS headers at all. \"*\" allows any.")
+    max_body_bytes: int = opt(
+        64 * 1024 * 1024, "Largest request body accepted; larger ones get a 413.", min=1024)
+    shutdown_timeout: float = opt(
+        30.0, "Seconds to let in-flight requests and background work finish on shutdown.", min=0)
+    log_level: str = opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_format: str = opt("text", "Log line format.", choices=("text", "json"))
+    access_log: bool = opt(True, "Log one line per request (method, path, status, duration).")
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    """[upstream] — the model server Engram forwards to."""
+
+    url: str = opt(
+        "", "Base URL of the model server, e.g. http://127.0.0.1:8080. Empty: auto-detect "
+        "llama.cpp on 127.0.0.1:8080, then Ollama on 127.0.0.1:11434.")
+    kind: str = opt(
+        "auto", "What the upstream is, for context-size discovery.",
+        choices=("auto", "llamacpp", "ollama", "openai"))
+    connect_timeout: float = opt(
+        10.0, "Seconds to wait for a TCP connection to the upstream. Generations themselves "
+        "have no total timeout.", min=0.1)
+    probe_timeout: float = opt(
+        2.0, "Seconds each auto-detection and health probe may take.", min=0.1)
+    context_size: int = opt(
+        0, "The upstream's context window in tokens; 0 discovers it (llama.cpp /props, "
+        "Ollama /api/show).", min=0)
+    max_connections: int = opt(
+        256, "Most simultaneous connections to the upstream (0 = no limit).", min=0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All of Engram's settings."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+
+
+# --- introspection -----------------------------------------------------------------------------
+
+
+def sections() -> dict[str, type[Any]]:
+    """Section name -> its dataclass, in declaration order."""
+    hints = typing.get_type_hints(Settings)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Settings)}
+
+
+def _fields(section_cls: type[Any]) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
+
+
+def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
+    if meta.get("choices"):
+        return "one of " + ", ".join(repr(c) for c in meta["choices"])
+    lo, hi = meta.get("min"), meta.get("max")
+    name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, "a list of strings")
+    if lo is not None and hi is not None:
+        return f"{name} from {lo:g} to {hi:g}"
+    if lo is not None:
+        return f"{name} >= {lo:g}"
+    return name
+
+
+def _coerce(key: str, source: str, raw: Any, tp: Any, meta: Mapping[str, Any],
+            from_text: bool) -> Any:
+    """Turn ``raw`` into a value of ``tp`` or raise a ConfigError naming the key."""
+
+    def bad() -> ConfigError:
+        return ConfigError(
+            f"config: {key} = {raw!r} (from {source}) is not valid; expected {_describe(tp, meta)}")
+
+    value: Any
+    if tp is bool:
+        if isinstance(raw, bool):
+            value = raw
+        elif from_text and isinstance(raw, str) and raw.strip().lower() in _BOOLS:
+            value = _BOOLS[raw.strip().lower()]
+        else:
+            raise bad()
+    elif tp is int:
+        if isinstance(raw, bool):
+            raise bad()
+        if isinstance(raw, int):
+            value = raw
+        elif from_text and isinstance(raw, str):
+            try:
+                value = int(raw.strip().replace("_", ""))
+            except ValueError:
+                raise bad() from None
+        else:
+            raise bad()
+    elif tp is float:
+        if isinstance(raw, bool):
+            raise bad()
+        if isinstance(raw, int | float):
+            value = float(raw)
+        elif from_text and isinstance(raw, str):
+            try:
+                value = float(raw.strip())
+            except ValueError:
+                raise bad() from None
+        else:
+            raise bad()
+    elif tp is str:
+        if not isinstance(raw, str):
+            raise bad()
+        value = raw
+    elif typing.get_origin(tp) is list:
+        if from_text and isinstance(raw, str):
+            text = raw.strip()
+            if text.startswith("["):
+                try:
+                    raw = json.loads(text)
+                except ValueError:
+                    raise bad() from None
+            else:
+                raw = [part.strip() for part in text.split(",") if part.strip()]
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise bad()
+        value = list(raw)
+    else:  # pragma: no cover - a declaration error, caught by the tests
+        raise TypeError(f"unsupported setting type for {key}: {tp!r}")
+
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise bad()
+    lo, hi = meta.get("min"), meta.get("max")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise bad()
+    return value
+
+
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True,
+          "false": False, "0": False, "no": False, "off": False}
+
+
+# --- layering ----------------------------------------------------------------------------------
+
+Layer = Mapping[str, Mapping[str, Any]]
+
+
+def _apply(values: dict[str, dict[str, Any]], layer: Layer, source: str, from_text: bool) -> None:
+    secs = sections()
+    for sec_name, items in layer.items():
+        if sec_name not in secs:
+            raise ConfigError(
+                f"config: unknown section [{sec_name}] (from {source}); known sections: "
+                + ", ".join(secs))
+        if not isinstance(items, Mapping):
+            raise ConfigError(f"config: [{sec_name}] (from {source}) must be a table of keys")
+        flds = _fields(secs[sec_name])
+        for key, raw in items.items():
+            if key not in flds:
+                raise ConfigError(
+                    f"config: unknown key {sec_name}.{key} (from {source}); known keys in "
+                    f"[{sec_name}]: " + ", ".join(flds))
+            fld, tp = flds[key]
+            values[sec_name][key] = _coerce(
+                f"{sec_name}.{key}", source, raw, tp, fld.metadata, from_text)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse a TOML settings file, turning syntax errors into ConfigError."""
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from None
+
+
+def env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Collect ``ENGRAM_<SECTION>_<KEY>`` variables; unknown ones are an error."""
+    secs = sections()
+    layer: dict[str, dict[str, str]] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        sec, _, key = rest.partition("_")
+        if sec not in secs or key not in _fields(secs[sec]):
+            raise ConfigError(
+                f"config: unknown environment variable {name}; settings variables are "
+                f"ENGRAM_<SECTION>_<KEY>, e.g. ENGRAM_SERVER_PORT (sections: {', '.join(secs)})")
+        layer.setdefault(sec, {})[key] = value
+    return layer
+
+
+def load_settings(
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Layer | None = None,
+) -> Settings:
+    """Build validated settings from defaults < file < environment < overrides (flags)."""
+    secs = sections()
+    values: dict[str, dict[str, Any]] = {name: {} for name in secs}
+    if config_file is not None:
+        _apply(values, read_toml(config_file), str(config_file), from_text=False)
+    if environ is not None:
+        _apply(values, env_layer(environ), "environment", from_text=True)
+    if overrides:
+        _apply(values, overrides, "command line", from_text=False)
+    built = {name: cls(**values[name]) for name, cls in secs.items()}
+    return Settings(**built)
+
+
+def replace(settings: Settings, section: str, **changes: Any) -> Settings:
+    """A copy of ``settings`` with some keys of one section changed (validated)."""
+    layer = {section: changes}
+    values: dict[str, dict[str, Any]] = {
+        name: dataclasses.asdict(getattr(settings, name)) for name in sections()}
+    _apply(values, layer, "code", from_text=False)
+    return Settings(**{name: cls(**values[name]) for name, cls in sections().items()})
+
+
+# --- rendering config/engram.toml --------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(type(value))
+
+
+def render_defaults() -> str:
+    """The text of ``config/engram.toml``: every setting with its default and a comment."""
+    lines = [
+        "# Engram's settings, every one at its default. Generated from proxy/config.py by",
+        "# `make config`; a test checks that this file and the code agree.",
+        "#",
+        "# Override in a file passed with --config, with ENGRAM_<SECTION>_<KEY> environment",
+        "# variables (e.g. ENGRAM_SERVER_PORT=9000), or with command-line flags, in that order.",
+    ]
+    for sec_name, cls in sections().items():
+        lines += ["", f"[{sec_name}]"]
+        for key, (fld, tp) in _fields(cls).items():
+            default = fld.default_factory() if fld.default_factory is not dataclasses.MISSING \
+                else fld.default
+            lines.append(f"# {fld.metadata['help']} ({_describe(tp, fld.metadata)})")
+            lines.append(f"{key} = {_toml_value(default)}")
+    return "\n".join(lines) + "\n"
+
+
+def as_dict(settings: Settings) -> dict[str, Any]:
+    """Settings as plain data (for `engram config` and diagnostics)."""
+    return dataclasses.asdict(settings)
+
