@@ -26,8 +26,14 @@ class ConfigError(ValueError):
     """A setting is unknown or has a value outside what it accepts."""
 
 
-def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
-        min: float | None = None, max: float | None = None) -> Any:
+def opt(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+) -> Any:
     """Declare one setting: its default and a one-line description (plus limits)."""
     meta = {"help": help, "choices": choices, "min": min, "max": max}
     if isinstance(default, list):
@@ -42,16 +48,22 @@ class ServerSettings:
     host: str = opt("127.0.0.1", "Address to bind. A non-loopback address also needs allow_remote.")
     port: int = opt(8787, "TCP port to listen on.", min=0, max=65535)
     allow_remote: bool = opt(
-        False, "Allow binding a non-loopback address (exposes your memory to the network).")
+        False, "Allow binding a non-loopback address (exposes your memory to the network)."
+    )
     allowed_hosts: list[str] = opt(
-        [], "Extra Host header names to accept besides the bound host and loopback names "
-        "(DNS-rebinding protection).")
+        [],
+        "Extra Host header names to accept besides the bound host and loopback names "
+        "(DNS-rebinding protection).",
+    )
     cors_origins: list[str] = opt(
-        [], "Origins that get CORS headers; empty means no CORS headers at all. \"*\" allows any.")
+        [], 'Origins that get CORS headers; empty means no CORS headers at all. "*" allows any.'
+    )
     max_body_bytes: int = opt(
-        64 * 1024 * 1024, "Largest request body accepted; larger ones get a 413.", min=1024)
+        64 * 1024 * 1024, "Largest request body accepted; larger ones get a 413.", min=1024
+    )
     shutdown_timeout: float = opt(
-        30.0, "Seconds to let in-flight requests and background work finish on shutdown.", min=0)
+        30.0, "Seconds to let in-flight requests and background work finish on shutdown.", min=0
+    )
     log_level: str = opt("info", "Log level.", choices=("debug", "info", "warning", "error"))
     log_format: str = opt("text", "Log line format.", choices=("text", "json"))
     access_log: bool = opt(True, "Log one line per request (method, path, status, duration).")
@@ -62,21 +74,33 @@ class UpstreamSettings:
     """[upstream] — the model server Engram forwards to."""
 
     url: str = opt(
-        "", "Base URL of the model server, e.g. http://127.0.0.1:8080. Empty: auto-detect "
-        "llama.cpp on 127.0.0.1:8080, then Ollama on 127.0.0.1:11434.")
+        "",
+        "Base URL of the model server, e.g. http://127.0.0.1:8080. Empty: auto-detect "
+        "llama.cpp on 127.0.0.1:8080, then Ollama on 127.0.0.1:11434.",
+    )
     kind: str = opt(
-        "auto", "What the upstream is, for context-size discovery.",
-        choices=("auto", "llamacpp", "ollama", "openai"))
+        "auto",
+        "What the upstream is, for context-size discovery.",
+        choices=("auto", "llamacpp", "ollama", "openai"),
+    )
     connect_timeout: float = opt(
-        10.0, "Seconds to wait for a TCP connection to the upstream. Generations themselves "
-        "have no total timeout.", min=0.1)
+        10.0,
+        "Seconds to wait for a TCP connection to the upstream. Generations themselves "
+        "have no total timeout.",
+        min=0.1,
+    )
     probe_timeout: float = opt(
-        2.0, "Seconds each auto-detection and health probe may take.", min=0.1)
+        2.0, "Seconds each auto-detection and health probe may take.", min=0.1
+    )
     context_size: int = opt(
-        0, "The upstream's context window in tokens; 0 discovers it (llama.cpp /props, "
-        "Ollama /api/show).", min=0)
+        0,
+        "The upstream's context window in tokens; 0 discovers it (llama.cpp /props, "
+        "Ollama /api/show).",
+        min=0,
+    )
     max_connections: int = opt(
-        256, "Most simultaneous connections to the upstream (0 = no limit).", min=0)
+        256, "Most simultaneous connections to the upstream (0 = no limit).", min=0
+    )
 
 
 @dataclass(frozen=True)
@@ -106,7 +130,8 @@ def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     lo, hi = meta.get("min"), meta.get("max")
     name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, "a list of strings")
+        tp, "a list of strings"
+    )
     if lo is not None and hi is not None:
         return f"{name} from {lo:g} to {hi:g}"
     if lo is not None:
@@ -114,13 +139,15 @@ def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
     return name
 
 
-def _coerce(key: str, source: str, raw: Any, tp: Any, meta: Mapping[str, Any],
-            from_text: bool) -> Any:
+def _coerce(
+    key: str, source: str, raw: Any, tp: Any, meta: Mapping[str, Any], from_text: bool
+) -> Any:
     """Turn ``raw`` into a value of ``tp`` or raise a ConfigError naming the key."""
 
     def bad() -> ConfigError:
         return ConfigError(
-            f"config: {key} = {raw!r} (from {source}) is not valid; expected {_describe(tp, meta)}")
+            f"config: {key} = {raw!r} (from {source}) is not valid; expected {_describe(tp, meta)}"
+        )
 
     value: Any
     if tp is bool:
@@ -183,8 +210,16 @@ def _coerce(key: str, source: str, raw: Any, tp: Any, meta: Mapping[str, Any],
     return value
 
 
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True,
-          "false": False, "0": False, "no": False, "off": False}
+_BOOLS = {
+    "true": True,
+    "1": True,
+    "yes": True,
+    "on": True,
+    "false": False,
+    "0": False,
+    "no": False,
+    "off": False,
+}
 
 
 # --- layering ----------------------------------------------------------------------------------
@@ -198,7 +233,8 @@ def _apply(values: dict[str, dict[str, Any]], layer: Layer, source: str, from_te
         if sec_name not in secs:
             raise ConfigError(
                 f"config: unknown section [{sec_name}] (from {source}); known sections: "
-                + ", ".join(secs))
+                + ", ".join(secs)
+            )
         if not isinstance(items, Mapping):
             raise ConfigError(f"config: [{sec_name}] (from {source}) must be a table of keys")
         flds = _fields(secs[sec_name])
@@ -206,10 +242,12 @@ def _apply(values: dict[str, dict[str, Any]], layer: Layer, source: str, from_te
             if key not in flds:
                 raise ConfigError(
                     f"config: unknown key {sec_name}.{key} (from {source}); known keys in "
-                    f"[{sec_name}]: " + ", ".join(flds))
+                    f"[{sec_name}]: " + ", ".join(flds)
+                )
             fld, tp = flds[key]
             values[sec_name][key] = _coerce(
-                f"{sec_name}.{key}", source, raw, tp, fld.metadata, from_text)
+                f"{sec_name}.{key}", source, raw, tp, fld.metadata, from_text
+            )
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -230,12 +268,13 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, dict[str, str]]:
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX) or name in _ENV_NOT_SETTINGS:
             continue
-        rest = name[len(ENV_PREFIX):].lower()
+        rest = name[len(ENV_PREFIX) :].lower()
         sec, _, key = rest.partition("_")
         if sec not in secs or key not in _fields(secs[sec]):
             raise ConfigError(
                 f"config: unknown environment variable {name}; settings variables are "
-                f"ENGRAM_<SECTION>_<KEY>, e.g. ENGRAM_SERVER_PORT (sections: {', '.join(secs)})")
+                f"ENGRAM_<SECTION>_<KEY>, e.g. ENGRAM_SERVER_PORT (sections: {', '.join(secs)})"
+            )
         layer.setdefault(sec, {})[key] = value
     return layer
 
@@ -251,7 +290,14 @@ def load_settings(
     if config_file is not None:
         _apply(values, read_toml(config_file), str(config_file), from_text=False)
     if environ is not None:
-        _apply(values, env_layer(environ), "environment", from_text=True)
+        for sec, items in env_layer(environ).items():
+            for key, raw in items.items():
+                _apply(
+                    values,
+                    {sec: {key: raw}},
+                    f"{ENV_PREFIX}{sec.upper()}_{key.upper()}",
+                    from_text=True,
+                )
     if overrides:
         _apply(values, overrides, "command line", from_text=False)
     built = {name: cls(**values[name]) for name, cls in secs.items()}
@@ -262,7 +308,8 @@ def replace(settings: Settings, section: str, **changes: Any) -> Settings:
     """A copy of ``settings`` with some keys of one section changed (validated)."""
     layer = {section: changes}
     values: dict[str, dict[str, Any]] = {
-        name: dataclasses.asdict(getattr(settings, name)) for name in sections()}
+        name: dataclasses.asdict(getattr(settings, name)) for name in sections()
+    }
     _apply(values, layer, "code", from_text=False)
     return Settings(**{name: cls(**values[name]) for name, cls in sections().items()})
 
@@ -294,8 +341,11 @@ def render_defaults() -> str:
     for sec_name, cls in sections().items():
         lines += ["", f"[{sec_name}]"]
         for key, (fld, tp) in _fields(cls).items():
-            default = fld.default_factory() if fld.default_factory is not dataclasses.MISSING \
+            default = (
+                fld.default_factory()
+                if fld.default_factory is not dataclasses.MISSING
                 else fld.default
+            )
             lines.append(f"# {fld.metadata['help']} ({_describe(tp, fld.metadata)})")
             lines.append(f"{key} = {_toml_value(default)}")
     return "\n".join(lines) + "\n"
@@ -304,4 +354,3 @@ def render_defaults() -> str:
 def as_dict(settings: Settings) -> dict[str, Any]:
     """Settings as plain data (for `engram config` and diagnostics)."""
     return dataclasses.asdict(settings)
-

@@ -1,0 +1,255 @@
+"""``create_app(settings)``: resources opened and closed in ``cleanup_ctx``, routes, middleware.
+
+Nothing happens at import time and nothing is global, so two apps can run in one process.
+Routes: Engram's own under ``/engram/``; chat completions through the pipeline; every other
+method and path passed through to the upstream untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from proxy import __version__
+from proxy.config import Settings
+from proxy.errors import (
+    EngramError,
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    error_body,
+    error_response,
+)
+from proxy.forward import read_body, relay
+from proxy.logs import event
+from proxy.pipeline import ChatPipeline
+from proxy.tasks import BackgroundTasks
+from proxy.upstream import Upstream, UpstreamInfo, detect, forward_headers
+
+log = logging.getLogger("engram.app")
+access_log = logging.getLogger("engram.access")
+
+SETTINGS = web.AppKey("settings", Settings)
+UPSTREAM = web.AppKey("upstream", Upstream)
+TASKS = web.AppKey("tasks", BackgroundTasks)
+PIPELINE = web.AppKey("pipeline", ChatPipeline)
+STARTED = web.AppKey("started", float)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"})
+
+
+def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) -> web.Application:
+    """Build the application. ``upstream_info`` skips detection (tests, pre-detected CLI)."""
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes,
+        middlewares=[_errors_and_access_log(settings), _host_and_cors(settings)],
+    )
+    app[SETTINGS] = settings
+    app[STARTED] = time.time()
+    app.cleanup_ctx.append(_resources(upstream_info))
+
+    app.router.add_get("/engram/health", health)
+    app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_route("*", "/{tail:.*}", passthrough)
+    return app
+
+
+def _resources(
+    upstream_info: UpstreamInfo | None,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        info = upstream_info or await detect(settings.upstream)
+        _announce(info)
+        upstream = Upstream(settings.upstream, info)
+        tasks = BackgroundTasks()
+        app[UPSTREAM] = upstream
+        app[TASKS] = tasks
+        app[PIPELINE] = ChatPipeline(settings, upstream, tasks)
+        if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
+            size = await upstream.context_size()
+            event(
+                log,
+                logging.INFO,
+                "upstream context size",
+                context_size=size if size else "unknown (set upstream.context_size)",
+            )
+        try:
+            yield
+        finally:
+            await tasks.drain(settings.server.shutdown_timeout)
+            await upstream.close()
+
+    return ctx
+
+
+def _announce(info: UpstreamInfo) -> None:
+    if info.found_by == "fallback":
+        event(
+            log,
+            logging.WARNING,
+            "no upstream found on 127.0.0.1:8080 (llama.cpp) or 127.0.0.1:11434 (Ollama); "
+            "chat requests get 502 until one runs there (or pass --upstream URL)",
+            upstream=info.url,
+        )
+    else:
+        event(log, logging.INFO, f"upstream {info.found_by}", upstream=info.url, kind=info.kind)
+
+
+# --- middleware ---------------------------------------------------------------------------------
+
+
+def _errors_and_access_log(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """One place turns every failure into OpenAI's error shape; one line per request."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        start = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except EngramError as exc:
+            status = exc.status
+            return error_response(exc)
+        except web.HTTPRequestEntityTooLarge:
+            status = 413
+            return error_response(
+                PayloadTooLarge(
+                    f"Request body too large: Engram accepts at most "
+                    f"{settings.server.max_body_bytes} bytes (setting server.max_body_bytes)."
+                )
+            )
+        except web.HTTPException as exc:
+            status = exc.status
+            if exc.status < 400:
+                raise
+            return web.json_response(
+                error_body(exc.reason, "invalid_request_error"),
+                status=exc.status,
+                headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
+            )
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return web.json_response(
+                error_body("Engram hit an internal error; see its log.", "server_error"), status=500
+            )
+        finally:
+            if settings.server.access_log:
+                event(
+                    access_log,
+                    logging.INFO,
+                    "request",
+                    method=request.method,
+                    path=request.path,
+                    status=status,
+                    ms=round((time.perf_counter() - start) * 1000, 2),
+                )
+
+    return middleware
+
+
+def _host_and_cors(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """DNS-rebinding protection (Host allow-list) and opt-in CORS."""
+    server = settings.server
+    allowed = {h.lower() for h in server.allowed_hosts}
+    check_host = True
+    if server.host in ("127.0.0.1", "::1", "localhost") or server.host.startswith("127."):
+        allowed |= LOOPBACK_NAMES | {server.host.lower()}
+    elif not allowed:
+        check_host = False  # bound to a network address with no allow-list: any name reaches it
+    else:
+        allowed.add(server.host.lower())
+    origins = set(server.cors_origins)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = request.headers.get("Host")
+        if check_host and host is not None and _hostname(host) not in allowed:
+            raise Forbidden(
+                f"Host {host!r} is not allowed. Engram answers only to "
+                f"{', '.join(sorted(allowed))}; add other names to server.allowed_hosts.",
+                code="host_not_allowed",
+            )
+        origin = request.headers.get("Origin")
+        cors = origin is not None and ("*" in origins or origin in origins)
+        if (
+            cors
+            and request.method == "OPTIONS"
+            and "Access-Control-Request-Method" in request.headers
+        ):
+            resp: web.StreamResponse = web.Response(status=204)
+        else:
+            resp = await handler(request)
+        if cors and not resp.prepared:
+            resp.headers["Access-Control-Allow-Origin"] = origin or "*"
+            resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
+                "Access-Control-Request-Headers", "*"
+            )
+            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+            resp.headers["Access-Control-Expose-Headers"] = "*"
+            resp.headers["Vary"] = "Origin"
+        return resp
+
+    return middleware
+
+
+def _hostname(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+# --- handlers -----------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PIPELINE].handle(request)
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    """Any method and path Engram does not own: forwarded and relayed unchanged."""
+    settings = request.app[SETTINGS]
+    body = await read_body(request, settings.server.max_body_bytes)
+    upstream = request.app[UPSTREAM]
+    up = await upstream.send(
+        request.method, request.raw_path, forward_headers(request.headers), body
+    )
+    resp, _ = await relay(request, up, keep_cors=bool(settings.server.cors_origins))
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    """Engram's own state and whether the upstream answers."""
+    app = request.app
+    upstream = app[UPSTREAM]
+    reachable, detail = await upstream.probe()
+    info = upstream.info
+    return web.json_response(
+        {
+            "status": "ok",
+            "version": __version__,
+            "uptime_s": round(time.time() - app[STARTED], 1),
+            "upstream": {
+                "url": info.url,
+                "kind": info.kind,
+                "found_by": info.found_by,
+                "reachable": reachable,
+                "detail": detail,
+                "context_size": info.context_size,
+            },
+            "background_tasks": len(app[TASKS]),
+        }
+    )
+
+
+async def engram_not_found(request: web.Request) -> web.StreamResponse:
+    raise NotFound(f"No Engram route {request.method} {request.path}.", code="not_found")

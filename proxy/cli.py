@@ -1,0 +1,154 @@
+"""The `engram` command: build settings from file, environment and flags; run a subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from proxy import __version__, logs
+from proxy.config import ConfigError, Settings, as_dict, load_settings, render_defaults
+
+log = logging.getLogger("engram.cli")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a TOML settings file (default: $ENGRAM_CONFIG if set)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engram", description="A local memory layer for OpenAI-compatible LLM servers."
+    )
+    parser.add_argument("--version", action="version", version=f"engram {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy")
+    _common(serve)
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8787)")
+    serve.add_argument(
+        "--allow-remote",
+        action="store_true",
+        default=None,
+        help="allow binding a non-loopback address",
+    )
+    serve.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="model server base URL (default: auto-detect llama.cpp, then Ollama)",
+    )
+    serve.add_argument("--context-size", type=int, help="the upstream's context window in tokens")
+    serve.add_argument("--log-level", help="debug, info, warning or error")
+
+    cfg = sub.add_parser("config", help="print settings")
+    _common(cfg)
+    cfg.add_argument(
+        "--defaults",
+        action="store_true",
+        help="print every default as commented TOML (config/engram.toml)",
+    )
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    flags = {
+        ("server", "host"): getattr(args, "host", None),
+        ("server", "port"): getattr(args, "port", None),
+        ("server", "allow_remote"): getattr(args, "allow_remote", None),
+        ("server", "log_level"): getattr(args, "log_level", None),
+        ("upstream", "url"): getattr(args, "upstream", None),
+        ("upstream", "context_size"): getattr(args, "context_size", None),
+    }
+    out: dict[str, dict[str, Any]] = {}
+    for (section, key), value in flags.items():
+        if value is not None:
+            out.setdefault(section, {})[key] = value
+    return out
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+    env = dict(os.environ if environ is None else environ)
+    config_file = args.config or (Path(env["ENGRAM_CONFIG"]) if env.get("ENGRAM_CONFIG") else None)
+    return load_settings(config_file, env, _overrides(args))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(settings: Settings) -> int:
+    from proxy.app import create_app  # imported late: `engram config` needs no aiohttp app
+
+    server = settings.server
+    logs.setup(server.log_level, server.log_format)
+    if not is_loopback(server.host):
+        if not server.allow_remote:
+            print(
+                f"engram: refusing to bind {server.host}: it is not a loopback address and "
+                "would expose your memory to the network. Pass --allow-remote "
+                "(or set server.allow_remote = true) if you mean it.",
+                file=sys.stderr,
+            )
+            return 2
+        log.warning(
+            "binding %s: Engram and your memory are reachable from the network", server.host
+        )
+    app = create_app(settings)
+
+    def announce(text: str) -> None:
+        log.info(
+            "engram %s listening on http://%s:%d — point OPENAI_BASE_URL at http://%s:%d/v1",
+            __version__,
+            server.host,
+            server.port,
+            server.host,
+            server.port,
+        )
+
+    web.run_app(
+        app,
+        host=server.host,
+        port=server.port,
+        shutdown_timeout=server.shutdown_timeout,
+        handler_cancellation=True,
+        access_log=None,
+        print=announce,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"engram: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        return serve(settings)
+    if args.command == "config":
+        if args.defaults:
+            sys.stdout.write(render_defaults())
+        else:
+            import json
+
+            print(json.dumps(as_dict(settings), indent=2))
+        return 0
+    return 2

@@ -1,0 +1,97 @@
+"""Engram's own errors and their one rendering: OpenAI's error shape.
+
+    EngramError                    any error Engram itself raises (status, type, code, param)
+    ├── BadRequest                 400 invalid_request_error: the client sent something unusable
+    ├── Forbidden                  403 a Host header or origin Engram refuses
+    ├── NotFound                   404 an Engram route or object that does not exist
+    ├── PayloadTooLarge            413 a body over server.max_body_bytes
+    └── UpstreamUnavailable        502 the model server cannot be reached (not retryable)
+
+Upstream errors are never wrapped: they are relayed with the status and body the upstream sent.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+
+class EngramError(Exception):
+    """An error with an HTTP status, rendered in OpenAI's error shape."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+class BadRequest(EngramError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Forbidden(EngramError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(EngramError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(EngramError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UpstreamUnavailable(EngramError):
+    status = 502
+    type = "upstream_error"
+    code = "upstream_unavailable"
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        # Retrying cannot help while the server is down, and a retried chat request could be
+        # archived twice.
+        self.headers.setdefault("x-should-retry", "false")
+
+
+def error_body(
+    message: str, type: str, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(exc: EngramError) -> web.Response:
+    """Render an EngramError as an HTTP response in OpenAI's shape."""
+    body = error_body(exc.message, exc.type, exc.code, exc.param)
+    return web.Response(
+        status=exc.status,
+        body=json.dumps(body).encode(),
+        content_type="application/json",
+        headers=exc.headers,
+    )
+
+
+def sse_error_event(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
+    """A mid-stream error event; the openai SDK raises on a data object with an `error` key."""
+    return b"data: " + json.dumps(error_body(message, type, code)).encode() + b"\n\n"

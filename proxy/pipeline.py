@@ -1,0 +1,214 @@
+"""One chat turn: identify → archive → retrieve → rewrite → forward → archive reply.
+
+The body is an opaque dict: only ``messages`` (and ``tools`` when Engram adds its own) may change;
+every other field, unknown vendor fields and nulls included, reaches the upstream as sent. When
+nothing changed the client's exact bytes are forwarded. The reply is relayed as it arrives and
+reassembled on the side; what was assembled (complete or not) goes to the reply hooks in the
+background, also when the client went away or the upstream died mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.errors import BadRequest
+from proxy.forward import is_event_stream, read_body, relay
+from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
+from proxy.tasks import BackgroundTasks
+from proxy.upstream import Upstream, forward_headers
+
+log = logging.getLogger("engram.pipeline")
+
+MEMORY_MODES = ("on", "off", "read-only", "write-only")
+
+
+@dataclass
+class ChatTurn:
+    """Everything one chat request carries through the pipeline."""
+
+    request_id: str
+    memory: str
+    body: dict[str, Any]
+    raw: bytes
+    started: float = field(default_factory=time.monotonic)
+    stream: bool = False
+    messages_changed: bool = False
+    response_headers: dict[str, str] = field(default_factory=dict)
+    status: int | None = None
+    reply: AssembledReply | None = None
+    client_gone: bool = False
+    upstream_failed: bool = False
+
+
+ReplyHook = Callable[[ChatTurn], Coroutine[Any, Any, None]]
+
+
+def memory_mode(value: str | None) -> str:
+    """The X-Engram-Memory header's mode (default on); anything else is a 400."""
+    if value is None or not value.strip():
+        return "on"
+    mode = value.strip().lower()
+    if mode not in MEMORY_MODES:
+        raise BadRequest(
+            f"X-Engram-Memory must be one of {', '.join(MEMORY_MODES)}; got {value!r}.",
+            code="invalid_memory_mode",
+            param="X-Engram-Memory",
+        )
+    return mode
+
+
+def parse_chat_body(raw: bytes) -> dict[str, Any]:
+    """The body as a dict, or a 400 saying precisely what is wrong with it."""
+    if not raw.strip():
+        raise BadRequest(
+            "Request body is empty; expected a JSON object with `messages`.", code="invalid_json"
+        )
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest(
+            f"Request body must be a JSON object, not {_json_type(body)}.", code="invalid_body"
+        )
+    messages = body.get("messages")
+    if messages is None:
+        raise BadRequest("`messages` is required.", param="messages", code="missing_messages")
+    if not isinstance(messages, list):
+        raise BadRequest(
+            f"`messages` must be an array, not {_json_type(messages)}.",
+            param="messages",
+            code="invalid_messages",
+        )
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(
+                f"`messages[{i}]` must be an object, not {_json_type(msg)}.",
+                param=f"messages[{i}]",
+                code="invalid_messages",
+            )
+        if not isinstance(msg.get("role"), str):
+            raise BadRequest(
+                f"`messages[{i}].role` must be a string.",
+                param=f"messages[{i}].role",
+                code="invalid_messages",
+            )
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
+
+
+class ChatPipeline:
+    """Handles POST /v1/chat/completions (and /chat/completions)."""
+
+    def __init__(self, settings: Settings, upstream: Upstream, tasks: BackgroundTasks) -> None:
+        self.settings = settings
+        self.upstream = upstream
+        self.tasks = tasks
+        self.reply_hooks: list[ReplyHook] = []
+        self.keep_cors = bool(settings.server.cors_origins)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await read_body(request, self.settings.server.max_body_bytes)
+        mode = memory_mode(request.headers.get("X-Engram-Memory"))
+        request_id = uuid.uuid4().hex
+        if mode == "off":
+            # Pure pass-through: nothing parsed, nothing stored, the client's bytes forwarded.
+            return await self._forward_raw(request, raw, request_id)
+        body = parse_chat_body(raw)
+        turn = ChatTurn(
+            request_id=request_id,
+            memory=mode,
+            body=body,
+            raw=raw,
+            stream=body.get("stream") is True,
+        )
+        turn.response_headers["X-Engram-Request-Id"] = request_id
+        payload = json.dumps(body, ensure_ascii=False).encode() if turn.messages_changed else raw
+        return await self._forward(request, turn, payload)
+
+    async def _forward_raw(
+        self, request: web.Request, raw: bytes, request_id: str
+    ) -> web.StreamResponse:
+        up = await self.upstream.send(
+            request.method, request.raw_path, forward_headers(request.headers), raw
+        )
+        resp, _ = await relay(
+            request, up, keep_cors=self.keep_cors, extra_headers={"X-Engram-Request-Id": request_id}
+        )
+        return resp
+
+    async def _forward(
+        self, request: web.Request, turn: ChatTurn, payload: bytes
+    ) -> web.StreamResponse:
+        up = await self.upstream.send(
+            request.method, request.raw_path, forward_headers(request.headers), payload
+        )
+        turn.status = up.status
+        sse = is_event_stream(up)
+        parser, assembler = SSEParser(), ChatAssembler()
+        plain: list[bytes] = []
+
+        def tap(chunk: bytes) -> None:
+            if sse:
+                for event in parser.feed(chunk):
+                    assembler.add_event(event)
+            else:
+                plain.append(chunk)
+
+        ended_cleanly = False
+        try:
+            resp, outcome = await relay(
+                request, up, keep_cors=self.keep_cors, extra_headers=turn.response_headers, tap=tap
+            )
+            ended_cleanly = outcome.ended_cleanly
+            turn.client_gone = outcome.client_gone
+            turn.upstream_failed = outcome.upstream_failed
+            return resp
+        except asyncio.CancelledError:
+            turn.client_gone = True  # the client disconnected; what arrived is still archived
+            raise
+        finally:
+            if sse:
+                for event in parser.close():
+                    assembler.add_event(event)
+                turn.reply = assembler.finish(ended_cleanly=ended_cleanly)
+            else:
+                turn.reply = _plain_reply(b"".join(plain), ended_cleanly)
+            self._after_reply(turn)
+
+    def _after_reply(self, turn: ChatTurn) -> None:
+        """Hand the finished turn to the hooks, in the background (never on the client's time)."""
+        for hook in self.reply_hooks:
+            self.tasks.spawn(hook(turn), name=f"reply-hook:{turn.request_id}")
+
+
+def _plain_reply(data: bytes, ended_cleanly: bool) -> AssembledReply:
+    try:
+        obj = json.loads(data) if data else None
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    reply = reply_from_completion(obj)
+    reply.complete = reply.complete and ended_cleanly
+    return reply

@@ -1,0 +1,268 @@
+"""The model server behind Engram: one pooled client, detection, health and context size.
+
+Requests are sent with the client's own headers (minus hop-by-hop and Engram's own), no
+automatic headers of aiohttp's, no decompression (bytes are relayed as sent), a connect timeout
+and no total timeout, because generations can take many minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from proxy.config import UpstreamSettings
+from proxy.errors import UpstreamUnavailable
+
+log = logging.getLogger("engram.upstream")
+
+LLAMACPP_DEFAULT = "http://127.0.0.1:8080"
+OLLAMA_DEFAULT = "http://127.0.0.1:11434"
+
+# RFC 9110 §7.6.1 connection-specific fields; never forwarded in either direction.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Headers Engram reads and owns: stripped before forwarding.
+ENGRAM_HEADER_PREFIX = "x-engram-"
+
+
+def forward_headers(headers: Mapping[str, str], *, drop: Iterable[str] = ()) -> CIMultiDict[str]:
+    """Headers to send on: hop-by-hop ones, those named in ``Connection``, Engram's own,
+    ``Host`` and ``Content-Length`` (recomputed by the client) and ``drop`` removed."""
+    remove = set(HOP_BY_HOP) | {"host", "content-length"} | {d.lower() for d in drop}
+    conn = headers.get("Connection")
+    if conn:
+        remove.update(token.strip().lower() for token in conn.split(","))
+    out: CIMultiDict[str] = CIMultiDict()
+    items = headers.items()
+    for name, value in items:
+        low = name.lower()
+        if low in remove or low.startswith(ENGRAM_HEADER_PREFIX):
+            continue
+        out.add(name, value)
+    return out
+
+
+def response_headers(headers: Mapping[str, str], *, keep_cors: bool) -> CIMultiDict[str]:
+    """Upstream response headers to relay: hop-by-hop removed; CORS removed unless configured."""
+    remove = set(HOP_BY_HOP)
+    conn = headers.get("Connection")
+    if conn:
+        remove.update(token.strip().lower() for token in conn.split(","))
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        low = name.lower()
+        if low in remove or (not keep_cors and low.startswith("access-control-")):
+            continue
+        out.add(name, value)
+    return out
+
+
+def join_url(base: URL, raw_path: str) -> URL:
+    """The upstream URL for an incoming raw path+query (kept byte-exact, already encoded).
+
+    A base that ends in ``/v1`` (as people write OPENAI_BASE_URL) does not double it.
+    """
+    prefix = base.raw_path.rstrip("/")
+    if prefix.endswith("/v1") and (raw_path == "/v1" or raw_path.startswith(("/v1/", "/v1?"))):
+        prefix = prefix[:-3]
+    origin = str(base.origin())
+    return URL(origin + prefix + raw_path, encoded=True)
+
+
+@dataclass
+class UpstreamInfo:
+    """What we know of the upstream: where, what kind, and its context window."""
+
+    url: str
+    kind: str  # llamacpp | ollama | openai | unknown
+    found_by: str  # configured | detected | fallback
+    context_size: int | None = None
+
+
+class Upstream:
+    """The pooled HTTP client to the model server. Create inside a running event loop."""
+
+    def __init__(self, settings: UpstreamSettings, info: UpstreamInfo) -> None:
+        self.settings = settings
+        self.info = info
+        self.base = URL(info.url)
+        self._ctx_cache: dict[str, int] = {}
+        limit = settings.max_connections
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300),
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=None, sock_connect=settings.connect_timeout, sock_read=None
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def send(
+        self, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None
+    ) -> aiohttp.ClientResponse:
+        """Send a request and return once the response headers arrived.
+
+        The caller owns the response: read it, then release or close it.
+        """
+        url = join_url(self.base, raw_path)
+        try:
+            return await self.session.request(
+                method,
+                url,
+                headers=headers,
+                data=body if body else None,
+                allow_redirects=False,
+                compress=None,
+            )
+        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            raise UpstreamUnavailable(
+                f"Engram could not reach the upstream model server at {self.info.url}: "
+                f"{describe_connect_error(exc, self.settings.connect_timeout)}. "
+                "Is it running? Set it with --upstream URL or [upstream] url.",
+            ) from exc
+
+    async def probe(self) -> tuple[bool, str]:
+        """Whether the upstream answers now, and how."""
+        path = {"llamacpp": "/health", "ollama": "/api/version"}.get(self.info.kind, "/v1/models")
+        try:
+            async with self.session.get(
+                join_url(self.base, path),
+                timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout),
+            ) as resp:
+                await resp.read()
+                return resp.status < 500, f"GET {path} -> {resp.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return False, describe_connect_error(exc, self.settings.probe_timeout)
+
+    async def context_size(self, model: str | None = None) -> int | None:
+        """The context window: configured, else discovered (cached per model)."""
+        if self.settings.context_size:
+            return self.settings.context_size
+        key = model or ""
+        if key in self._ctx_cache:
+            return self._ctx_cache[key]
+        size = await discover_context_size(
+            self.session, self.base, self.info.kind, model, self.settings.probe_timeout
+        )
+        if size:
+            self._ctx_cache[key] = size
+            if not model:
+                self.info.context_size = size
+        return size
+
+
+def describe_connect_error(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no connection within {timeout:g} s"
+    text = str(exc) or type(exc).__name__
+    return text
+
+
+async def _get_json(
+    session: aiohttp.ClientSession, method: str, url: URL, timeout: float, payload: Any = None
+) -> tuple[int, Any] | None:
+    try:
+        async with session.request(
+            method,
+            url,
+            json=payload,
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            raw = await resp.read()
+            try:
+                return resp.status, json.loads(raw) if raw else None
+            except ValueError:
+                return resp.status, None
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        return None
+
+
+async def identify(session: aiohttp.ClientSession, base: URL, timeout: float) -> str | None:
+    """What answers at ``base``: 'llamacpp', 'ollama', 'openai', or None if nothing does."""
+    got = await _get_json(session, "GET", join_url(base, "/health"), timeout)
+    if got is None:
+        return None  # nothing listens there
+    status, body = got
+    if status in (200, 503) and isinstance(body, dict) and "status" in body:
+        return "llamacpp"
+    got = await _get_json(session, "GET", join_url(base, "/api/version"), timeout)
+    if got and got[0] == 200 and isinstance(got[1], dict) and "version" in got[1]:
+        return "ollama"
+    return "openai"
+
+
+async def detect(settings: UpstreamSettings) -> UpstreamInfo:
+    """Resolve the upstream: the configured URL (its kind probed), or auto-detect."""
+    async with aiohttp.ClientSession() as session:
+        if settings.url:
+            kind = settings.kind
+            if kind == "auto":
+                kind = (
+                    await identify(session, URL(settings.url), settings.probe_timeout) or "unknown"
+                )
+            return UpstreamInfo(settings.url, kind, "configured")
+        for url, expect in ((LLAMACPP_DEFAULT, "llamacpp"), (OLLAMA_DEFAULT, "ollama")):
+            if await identify(session, URL(url), settings.probe_timeout) == expect:
+                return UpstreamInfo(url, expect, "detected")
+    return UpstreamInfo(LLAMACPP_DEFAULT, "unknown", "fallback")
+
+
+async def discover_context_size(
+    session: aiohttp.ClientSession, base: URL, kind: str, model: str | None, timeout: float
+) -> int | None:
+    """llama.cpp: GET /props → default_generation_settings.n_ctx;
+    Ollama: POST /api/show → model_info["<arch>.context_length"] (num_ctx if set)."""
+    if kind in ("llamacpp", "unknown", "openai"):
+        got = await _get_json(session, "GET", join_url(base, "/props"), timeout)
+        if got and got[0] == 200 and isinstance(got[1], dict):
+            settings = got[1].get("default_generation_settings")
+            n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+            if isinstance(n_ctx, int) and n_ctx > 0:
+                return n_ctx
+    if kind == "ollama" and model:
+        got = await _get_json(
+            session, "POST", join_url(base, "/api/show"), timeout, {"model": model}
+        )
+        if got and got[0] == 200 and isinstance(got[1], dict):
+            return _ollama_ctx(got[1])
+    return None
+
+
+def _ollama_ctx(show: dict[str, Any]) -> int | None:
+    params = show.get("parameters")
+    if isinstance(params, str):
+        for line in params.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "num_ctx" and parts[1].isdigit():
+                return int(parts[1])
+    info = show.get("model_info")
+    if isinstance(info, dict):
+        arch = info.get("general.architecture")
+        value = info.get(f"{arch}.context_length")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
