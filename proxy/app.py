@@ -235,7 +235,7 @@ async def health(request: web.Request) -> web.Response:
     info = upstream.info
     return web.json_response(
         {
-            "status": "ok",
+            "status": "ok" if reachable else "degraded",
             "version": __version__,
             "uptime_s": round(time.time() - app[STARTED], 1),
             "upstream": {

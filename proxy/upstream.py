@@ -8,6 +8,7 @@ and no total timeout, because generations can take many minutes.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,7 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+_LARGE_BODY = 1 << 20
 # Headers Engram reads and owns: stripped before forwarding.
 ENGRAM_HEADER_PREFIX = "x-engram-"
 
@@ -129,12 +131,16 @@ class Upstream:
         The caller owns the response: read it, then release or close it.
         """
         url = join_url(self.base, raw_path)
+        # Large bodies go as a stream so aiohttp does not copy them in one blocking write.
+        data: bytes | io.BytesIO | None = body or None
+        if body and len(body) > _LARGE_BODY:
+            data = io.BytesIO(body)
         try:
             return await self.session.request(
                 method,
                 url,
                 headers=headers,
-                data=body if body else None,
+                data=data,
                 allow_redirects=False,
                 compress=None,
             )

@@ -1,0 +1,104 @@
+"""`engram serve` as a real process: start-up, and graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.fake_chunks import chat_chunks
+from tests.fake_upstream import FakeUpstream, StreamReply
+
+pytestmark = pytest.mark.asyncio
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--port",
+        str(port),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(200):
+            try:
+                async with http.get(url + "/engram/health") as r:
+                    if r.status == 200:
+                        return proc, url
+            except aiohttp.ClientError:
+                pass
+            if proc.returncode is not None:
+                break
+            await asyncio.sleep(0.05)
+    proc.kill()
+    out = await proc.stdout.read() if proc.stdout else b""
+    raise AssertionError(f"engram serve did not start:\n{out.decode()}")
+
+
+async def test_sigterm_drains_in_flight_stream() -> None:
+    async with FakeUpstream() as fake:
+        proc, url = await start_serve("--upstream", fake.url)
+        try:
+            fake.enqueue(StreamReply(chat_chunks([f"p{i} " for i in range(10)]), delay=0.1))
+            async with aiohttp.ClientSession() as http, http.post(
+                url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "x"}], "stream": True},
+            ) as r:
+                first = await r.content.readany()
+                proc.send_signal(signal.SIGTERM)
+                rest = await r.read()
+            body = first + rest
+            assert b"p9 " in body and body.endswith(b"data: [DONE]\n\n")
+            assert await asyncio.wait_for(proc.wait(), 15) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        log = (await proc.stdout.read()).decode() if proc.stdout else ""
+        assert "listening on" in log and "upstream configured" in log
+        # Bodies and keys are never logged.
+        assert "p9" not in log
+
+
+async def test_startup_without_any_upstream_says_so() -> None:
+    # Ports 8080/11434 may be taken on a developer machine; only check the message when free.
+    busy = []
+    for port in (8080, 11434):
+        with socket.socket() as s:
+            busy.append(s.connect_ex(("127.0.0.1", port)) == 0)
+    if any(busy):
+        pytest.skip("a server runs on 8080 or 11434 here; auto-detection would find it")
+    proc, url = await start_serve()
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url + "/engram/health") as r:
+            health = await r.json()
+        assert health["upstream"]["found_by"] == "fallback"
+        assert health["status"] == "degraded"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        assert time.monotonic() - start < 15
+    log = (await proc.stdout.read()).decode() if proc.stdout else ""
+    assert "no upstream found" in log
