@@ -190,3 +190,33 @@ async def test_flavor_routes(session: aiohttp.ClientSession) -> None:
                 assert (await resp.json())["object"] == "list"
         finally:
             await fake.stop()
+
+
+@pytest.mark.asyncio
+async def test_openai_sdk_reads_tool_call_stream(fake: FakeUpstream) -> None:
+    openai = pytest.importorskip("openai")
+    call = {"id": "abc123XYZ", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    fake.enqueue(
+        StreamReply(chat_chunks(["Let me check."], tool_calls=[call], usage=usage, ping=True))
+    )
+    async with openai.AsyncOpenAI(base_url=f"{fake.url}/v1", api_key="k", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model="m", messages=[USER], stream=True, stream_options={"include_usage": True}
+        )
+        content, args, finish, got_usage = "", "", None, None
+        async for chunk in stream:
+            if chunk.usage:
+                got_usage = chunk.usage.total_tokens
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for tc in choice.delta.tool_calls or []:
+                    assert tc.index == 0
+                    args += tc.function.arguments if tc.function and tc.function.arguments else ""
+                finish = choice.finish_reason or finish
+    assert (content, args, finish, got_usage) == (
+        "Let me check.",
+        call["arguments"],
+        "tool_calls",
+        8,
+    )
