@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
@@ -93,11 +94,35 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """uvloop when asked for or available (``auto``), else the standard loop."""
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise ConfigError(
+                    "config: server.event_loop = 'uvloop' but uvloop is not "
+                    "installed (pip install uvloop)"
+                ) from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 def serve(settings: Settings) -> int:
+    server = settings.server
+    listener = logs.setup(server.log_level, server.log_format)
+    try:
+        return _serve(settings)
+    finally:
+        listener.stop()
+
+
+def _serve(settings: Settings) -> int:
     from proxy.app import create_app  # imported late: `engram config` needs no aiohttp app
 
     server = settings.server
-    logs.setup(server.log_level, server.log_format)
     if not is_loopback(server.host):
         if not server.allow_remote:
             print(
@@ -124,6 +149,7 @@ def serve(settings: Settings) -> int:
 
     web.run_app(
         app,
+        loop=new_event_loop(server.event_loop),
         host=server.host,
         port=server.port,
         shutdown_timeout=server.shutdown_timeout,
@@ -138,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
+        if args.command == "serve":
+            return serve(settings)
     except ConfigError as exc:
         print(f"engram: {exc}", file=sys.stderr)
         return 2
-    if args.command == "serve":
-        return serve(settings)
     if args.command == "config":
         if args.defaults:
             sys.stdout.write(render_defaults())

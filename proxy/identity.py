@@ -56,9 +56,9 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
                 source = "body"
                 break
     if not user:
-        key = api_key(headers)
-        if key:
-            user = "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+        secret = api_key(headers)
+        if secret:
+            user = "key-" + hashlib.sha256(secret.encode()).hexdigest()[:16]
             source = "api-key"
     session = None
     for name in SESSION_HEADERS:
