@@ -32,13 +32,13 @@ class Identity:
 def _clean_id(value: Any) -> str | None:
     if not isinstance(value, str):
         return None
-    value = value.strip()
-    if not value:
+    text: str = value.strip()
+    if not text:
         return None
-    if _SAFE_ID.match(value):
-        return value
+    if _SAFE_ID.match(text):
+        return text
     # Anything else (spaces, unicode, very long) is kept stable but made safe.
-    return "h-" + hashlib.sha256(value.encode()).hexdigest()[:24]
+    return "h-" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
