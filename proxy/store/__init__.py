@@ -1,0 +1,43 @@
+"""The memory database: SQLite with FTS5 and sqlite-vec, behind an async :class:`Store`.
+
+- :mod:`proxy.store.db` — open a connection through a driver that can load sqlite-vec.
+- :mod:`proxy.store.migrations` — the schema as numbered migrations.
+- :mod:`proxy.store.models` — row dataclasses, message/text hashes, store errors.
+- :mod:`proxy.store.queries` — the SQL, as synchronous functions of a connection.
+- :mod:`proxy.store.search` — FTS5 and vector search (exact or bit-quantised) in one namespace.
+- :mod:`proxy.store.store` — :class:`Store`: writer thread, reader pool, async methods.
+
+The store knows nothing of where vectors come from; it stores and searches them.
+"""
+
+from proxy.store.db import DbInfo, connect, describe
+from proxy.store.models import (
+    NewTurn,
+    Session,
+    SessionConflict,
+    SessionDepthExceeded,
+    SessionNotFound,
+    StoreError,
+    StoreStats,
+    Turn,
+    message_hash,
+    text_hash,
+)
+from proxy.store.store import Store
+
+__all__ = [
+    "DbInfo",
+    "NewTurn",
+    "Session",
+    "SessionConflict",
+    "SessionDepthExceeded",
+    "SessionNotFound",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "Turn",
+    "connect",
+    "describe",
+    "message_hash",
+    "text_hash",
+]

@@ -1,0 +1,142 @@
+"""Row types of the store, the hashes that identify messages and texts, and store errors.
+
+- :class:`NewTurn` — a message to archive; :class:`Turn` — an archived one; :class:`Session`.
+- ``turns.content_hash`` identifies a message as the caller sees it: pass the chain hash of
+  :func:`proxy.identity.chain_hashes` as ``NewTurn.content_hash`` and
+  :meth:`Store.resolve_session` finds the session a resent conversation continues; left out,
+  it defaults to :func:`message_hash` (role, name, content, tool calls, tool call id).
+  :meth:`Store.session_turn_hashes` returns them in position order.
+- :func:`text_hash` identifies the exact text a vector was computed from (``turns.embed_hash``),
+  so an identical text is embedded once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+JsonObject = dict[str, Any]
+
+
+class StoreError(Exception):
+    """Base of the errors the store raises on purpose."""
+
+
+class SessionConflict(StoreError):
+    """A session id is already used by another user namespace, or a parent is not the user's."""
+
+
+class SessionNotFound(StoreError):
+    """The session (or parent session) named does not exist."""
+
+
+class SessionDepthExceeded(StoreError):
+    """Creating the sub-session would nest deeper than allowed."""
+
+
+def _digest(payload: str) -> str:
+    return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def message_hash(
+    role: str,
+    content: str,
+    speaker: str | None = None,
+    tool_calls: list[JsonObject] | None = None,
+    tool_call_id: str | None = None,
+) -> str:
+    """A stable 128-bit hex id of a message's meaningful fields."""
+    canonical = json.dumps(
+        [role, speaker, content, tool_calls, tool_call_id],
+        ensure_ascii=False,
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return _digest(canonical)
+
+
+def text_hash(text: str) -> str:
+    """A stable 128-bit hex id of a text (what its embedding is keyed by)."""
+    return _digest(text)
+
+
+@dataclass(frozen=True, slots=True)
+class NewTurn:
+    """One message to archive at ``position`` (0-based, per session) of its session."""
+
+    position: int
+    role: str
+    content: str
+    speaker: str | None = None
+    tool_calls: list[JsonObject] | None = None
+    tool_call_id: str | None = None
+    timestamp: float | None = None
+    """Unix seconds; ``None`` means "when stored"."""
+    token_count: int | None = None
+    incomplete: bool = False
+    """The reply was cut short (client went away, upstream failed mid-stream)."""
+    content_hash: str | None = None
+    """Defaults to :func:`message_hash` of the fields above."""
+    embed_hash: str | None = None
+    """:func:`text_hash` of the text its vector was computed from; defaults to that of
+    ``content``. Only stored when a vector is."""
+
+    def identity(self) -> str:
+        """``content_hash``, or the :func:`message_hash` of this message."""
+        if self.content_hash is not None:
+            return self.content_hash
+        return message_hash(
+            self.role, self.content, self.speaker, self.tool_calls, self.tool_call_id
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """An archived message."""
+
+    id: int
+    session_id: str
+    user_id: str
+    position: int
+    role: str
+    speaker: str | None
+    content: str
+    tool_calls: list[JsonObject] | None
+    tool_call_id: str | None
+    timestamp: float
+    token_count: int | None
+    content_hash: str
+    incomplete: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A conversation of one user namespace; sub-agent sessions have a parent."""
+
+    id: str
+    user_id: str
+    parent_id: str | None
+    level: int
+    agent: str | None
+    created_at: float
+    last_seen: float
+    fingerprint: str | None
+    indexed: bool
+    """Whether searches over all of the user's memory see this session's turns."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counts and sizes for ``engram stats`` and ``/engram/metrics``."""
+
+    schema_version: int
+    users: int
+    sessions: int
+    turns: int
+    vectors: int
+    db_bytes: int
+    wal_bytes: int
+    per_user: dict[str, int] = field(default_factory=dict)
+    """Turns per user namespace (only when stats were asked for one user or all)."""

@@ -1,0 +1,441 @@
+"""The store's SQL, as plain synchronous functions of a connection.
+
+:class:`proxy.store.store.Store` runs these on its writer thread (functions that write, each
+inside one transaction the caller opened) or its reader threads. Keeping them free of threads and
+asyncio keeps them easy to read and to test on a bare connection.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from proxy.store.db import Connection
+from proxy.store.migrations import EMBED_DIM, applied_versions
+from proxy.store.models import (
+    NewTurn,
+    Session,
+    SessionConflict,
+    SessionDepthExceeded,
+    SessionNotFound,
+    StoreStats,
+    Turn,
+    text_hash,
+)
+from proxy.vectors import Vector, as_vector, from_blob, to_blob
+
+_SESSION_COLS = "id, user_id, parent_id, level, agent, created_at, last_seen, fingerprint, indexed"
+_TURN_COLS = (
+    "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
+    "timestamp, token_count, content_hash, incomplete"
+)
+
+
+def _session(row: Sequence[Any]) -> Session:
+    return Session(
+        id=row[0],
+        user_id=row[1],
+        parent_id=row[2],
+        level=row[3],
+        agent=row[4],
+        created_at=row[5],
+        last_seen=row[6],
+        fingerprint=row[7],
+        indexed=bool(row[8]),
+    )
+
+
+def _turn(row: Sequence[Any]) -> Turn:
+    return Turn(
+        id=row[0],
+        session_id=row[1],
+        user_id=row[2],
+        position=row[3],
+        role=row[4],
+        speaker=row[5],
+        content=row[6],
+        tool_calls=json.loads(row[7]) if row[7] is not None else None,
+        tool_call_id=row[8],
+        timestamp=row[9],
+        token_count=row[10],
+        content_hash=row[11],
+        incomplete=bool(row[12]),
+    )
+
+
+def json_list(values: Iterable[Any]) -> str:
+    return json.dumps(list(values))
+
+
+# -- users and sessions ---------------------------------------------------------------------
+
+
+def ensure_user(conn: Connection, user_id: str, now: float) -> None:
+    conn.execute(
+        "INSERT INTO users(id, created_at) VALUES (?, ?) ON CONFLICT(id) DO NOTHING",
+        (user_id, now),
+    )
+
+
+def get_session(conn: Connection, session_id: str) -> Session | None:
+    row = conn.execute(
+        f"SELECT {_SESSION_COLS} FROM sessions WHERE id = ?", (session_id,)
+    ).fetchone()
+    return _session(row) if row is not None else None
+
+
+def get_or_create_session(
+    conn: Connection,
+    user_id: str,
+    session_id: str,
+    *,
+    parent_id: str | None,
+    agent: str | None,
+    fingerprint: str | None,
+    indexed: bool | None,
+    max_level: int | None,
+    now: float,
+) -> Session:
+    ensure_user(conn, user_id, now)
+    found = get_session(conn, session_id)
+    if found is not None:
+        if found.user_id != user_id:
+            raise SessionConflict(f"session {session_id!r} belongs to another user namespace")
+        conn.execute("UPDATE sessions SET last_seen = ? WHERE id = ?", (now, session_id))
+        return get_session(conn, session_id) or found
+    level = 0
+    if parent_id is not None:
+        parent = get_session(conn, parent_id)
+        if parent is None:
+            raise SessionNotFound(f"parent session {parent_id!r} does not exist")
+        if parent.user_id != user_id:
+            raise SessionConflict(f"parent session {parent_id!r} belongs to another user namespace")
+        level = parent.level + 1
+        if max_level is not None and level > max_level:
+            raise SessionDepthExceeded(
+                f"session {session_id!r} would be nested {level} deep (limit {max_level})"
+            )
+    if indexed is None:
+        indexed = parent_id is None  # a sub-agent's raw history stays out of general search
+    conn.execute(
+        f"INSERT INTO sessions({_SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (session_id, user_id, parent_id, level, agent, now, now, fingerprint, int(indexed)),
+    )
+    created = get_session(conn, session_id)
+    assert created is not None
+    return created
+
+
+def find_session_by_fingerprint(conn: Connection, user_id: str, fingerprint: str) -> Session | None:
+    row = conn.execute(
+        f"SELECT {_SESSION_COLS} FROM sessions WHERE user_id = ? AND fingerprint = ? "
+        "ORDER BY last_seen DESC LIMIT 1",
+        (user_id, fingerprint),
+    ).fetchone()
+    return _session(row) if row is not None else None
+
+
+def resolve_session(
+    conn: Connection, user_id: str, hashes: Sequence[str], min_length: int = 1
+) -> tuple[Session, int] | None:
+    """The user's session holding the longest prefix of ``hashes``, and that prefix's length.
+
+    ``hashes[i]`` is the expected ``content_hash`` at position ``i``. They must be chain hashes
+    (each covering every earlier message, as :func:`proxy.identity.chain_hashes` makes them), so
+    a match at position ``i`` implies positions ``0..i`` match. Prefixes shorter than
+    ``min_length`` do not count. Ties go to the most recently seen session.
+    """
+    if not hashes:
+        return None
+    wanted = {h: i for i, h in enumerate(hashes)}
+    rows = conn.execute(
+        "SELECT t.session_id, t.position, t.content_hash, s.last_seen FROM turns t"
+        " JOIN sessions s ON s.id = t.session_id"
+        " WHERE t.user_id = ? AND t.content_hash IN (SELECT value FROM json_each(?))",
+        (user_id, json_list(wanted)),
+    ).fetchall()
+    best: tuple[int, float, str] | None = None
+    for session_id, position, content_hash, last_seen in rows:
+        if wanted.get(content_hash) != position or position + 1 < min_length:
+            continue
+        key = (position + 1, float(last_seen), str(session_id))
+        if best is None or key > best:
+            best = key
+    if best is None:
+        return None
+    session = get_session(conn, best[2])
+    return (session, best[0]) if session is not None else None
+
+
+def set_session_fingerprint(conn: Connection, session_id: str, fingerprint: str | None) -> None:
+    conn.execute("UPDATE sessions SET fingerprint = ? WHERE id = ?", (fingerprint, session_id))
+
+
+def set_session_indexed(conn: Connection, session_id: str, indexed: bool) -> None:
+    conn.execute("UPDATE sessions SET indexed = ? WHERE id = ?", (int(indexed), session_id))
+    # sqlite-vec updates metadata only through point lookups by primary key.
+    ids = [r[0] for r in conn.execute("SELECT id FROM turns WHERE session_id = ?", (session_id,))]
+    conn.executemany(
+        "UPDATE turn_vec SET indexed = ? WHERE turn_id = ?", [(int(indexed), i) for i in ids]
+    )
+
+
+def list_sessions(conn: Connection, user_id: str) -> list[Session]:
+    rows = conn.execute(
+        f"SELECT {_SESSION_COLS} FROM sessions WHERE user_id = ? ORDER BY last_seen DESC, id",
+        (user_id,),
+    )
+    return [_session(r) for r in rows]
+
+
+def delete_session(conn: Connection, session_id: str, user_id: str | None) -> bool:
+    """Delete a session, its sub-sessions, their turns, FTS rows and vectors (by cascade)."""
+    sql, args = "DELETE FROM sessions WHERE id = ?", [session_id]
+    if user_id is not None:
+        sql += " AND user_id = ?"
+        args.append(user_id)
+    return conn.execute(sql, args).rowcount > 0
+
+
+def delete_user(conn: Connection, user_id: str) -> bool:
+    """Delete a user namespace and everything it owns."""
+    return conn.execute("DELETE FROM users WHERE id = ?", (user_id,)).rowcount > 0
+
+
+# -- turns ----------------------------------------------------------------------------------
+
+
+def check_vector(vec: Vector) -> Vector:
+    vec = as_vector(vec)
+    if vec.shape != (EMBED_DIM,):
+        raise ValueError(f"vectors must have {EMBED_DIM} dimensions, got {vec.shape[0]}")
+    return vec
+
+
+def insert_vector(
+    conn: Connection, turn_id: int, user_id: str, session_id: str, indexed: bool, vec: Vector
+) -> None:
+    blob = to_blob(check_vector(vec))
+    conn.execute(
+        "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed) "
+        "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
+        (turn_id, user_id, blob, blob, session_id, int(indexed)),
+    )
+
+
+def add_turns(
+    conn: Connection,
+    session_id: str,
+    user_id: str,
+    turns: Sequence[NewTurn],
+    vectors: Sequence[Vector | None] | None,
+    now: float,
+) -> list[int]:
+    """Insert ``turns`` (and their vectors); positions the session already has are skipped.
+
+    Returns the ids of the turns inserted, in input order.
+    """
+    if vectors is None:
+        vectors = [None] * len(turns)
+    if len(vectors) != len(turns):
+        raise ValueError("vectors must be None or one (or None) per turn")
+    session = get_session(conn, session_id)
+    if session is None:
+        raise SessionNotFound(f"session {session_id!r} does not exist")
+    if session.user_id != user_id:
+        raise SessionConflict(f"session {session_id!r} belongs to another user namespace")
+    ids: list[int] = []
+    for turn, vec in zip(turns, vectors, strict=True):
+        embed_hash = None
+        if vec is not None:
+            embed_hash = turn.embed_hash or text_hash(turn.content)
+        cur = conn.execute(
+            "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
+            " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT(session_id, position) DO NOTHING",
+            (
+                session_id,
+                user_id,
+                turn.position,
+                turn.role,
+                turn.speaker,
+                turn.content,
+                json.dumps(turn.tool_calls, ensure_ascii=False, separators=(",", ":"))
+                if turn.tool_calls is not None
+                else None,
+                turn.tool_call_id,
+                turn.timestamp if turn.timestamp is not None else now,
+                turn.token_count,
+                turn.identity(),
+                embed_hash,
+                int(turn.incomplete),
+            ),
+        )
+        if cur.rowcount != 1 or cur.lastrowid is None:
+            continue
+        if vec is not None:
+            insert_vector(conn, cur.lastrowid, user_id, session_id, session.indexed, vec)
+        ids.append(cur.lastrowid)
+    conn.execute(
+        "UPDATE sessions SET last_seen = max(last_seen, ?) WHERE id = ?", (now, session_id)
+    )
+    return ids
+
+
+def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> int:
+    """Store (turn id, vector, embed hash) for existing turns, replacing any vector they had.
+
+    Returns how many turns got one (ids that no longer exist are skipped).
+    """
+    done = 0
+    for turn_id, vec, embed_hash in items:
+        row = conn.execute(
+            "SELECT t.user_id, t.session_id, s.indexed FROM turns t"
+            " JOIN sessions s ON s.id = t.session_id WHERE t.id = ?",
+            (turn_id,),
+        ).fetchone()
+        if row is None:
+            continue
+        conn.execute("DELETE FROM turn_vec WHERE turn_id = ?", (turn_id,))
+        insert_vector(conn, turn_id, row[0], row[1], bool(row[2]), vec)
+        conn.execute("UPDATE turns SET embed_hash = ? WHERE id = ?", (embed_hash, turn_id))
+        done += 1
+    return done
+
+
+def turns_without_vectors(conn: Connection, user_id: str | None, limit: int) -> list[Turn]:
+    """Turns with text but no vector (stored while the embedder was down), oldest first."""
+    sql = f"SELECT {_TURN_COLS} FROM turns WHERE embed_hash IS NULL AND content != ''"
+    args: list[Any] = []
+    if user_id is not None:
+        sql += " AND user_id = ?"
+        args.append(user_id)
+    sql += " ORDER BY id LIMIT ?"
+    args.append(limit)
+    return [_turn(r) for r in conn.execute(sql, args)]
+
+
+def vectors_by_embed_hash(conn: Connection, hashes: Sequence[str]) -> dict[str, Vector]:
+    """Stored vectors of texts already embedded, by :func:`text_hash`."""
+    out: dict[str, Vector] = {}
+    rows = conn.execute(
+        "SELECT embed_hash, min(id) FROM turns"
+        " WHERE embed_hash IN (SELECT value FROM json_each(?)) GROUP BY embed_hash",
+        (json_list(set(hashes)),),
+    ).fetchall()
+    for embed_hash, turn_id in rows:
+        found = conn.execute(
+            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
+        ).fetchone()
+        if found is not None:
+            out[embed_hash] = from_blob(found[0])
+    return out
+
+
+def count_turns(conn: Connection, session_id: str) -> int:
+    (n,) = conn.execute("SELECT count(*) FROM turns WHERE session_id = ?", (session_id,)).fetchone()
+    return int(n)
+
+
+def count_user_turns(conn: Connection, user_id: str) -> int:
+    (n,) = conn.execute("SELECT count(*) FROM turns WHERE user_id = ?", (user_id,)).fetchone()
+    return int(n)
+
+
+def session_turn_hashes(conn: Connection, session_id: str) -> list[str]:
+    rows = conn.execute(
+        "SELECT content_hash FROM turns WHERE session_id = ? ORDER BY position", (session_id,)
+    )
+    return [r[0] for r in rows]
+
+
+def session_turns(
+    conn: Connection, session_id: str, from_position: int = 0, limit: int | None = None
+) -> list[Turn]:
+    rows = conn.execute(
+        f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? AND position >= ?"
+        " ORDER BY position LIMIT ?",
+        (session_id, from_position, -1 if limit is None else limit),
+    )
+    return [_turn(r) for r in rows]
+
+
+def get_turns(conn: Connection, ids: Sequence[int], user_id: str | None) -> list[Turn]:
+    """The turns with these ids, in the order given; unknown (or other users') ids are left out."""
+    sql = f"SELECT {_TURN_COLS} FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+    args: list[Any] = [json_list(ids)]
+    if user_id is not None:
+        sql += " AND user_id = ?"
+        args.append(user_id)
+    by_id = {row[0]: _turn(row) for row in conn.execute(sql, args)}
+    return [by_id[i] for i in ids if i in by_id]
+
+
+# -- export and stats -----------------------------------------------------------------------
+
+
+def session_rows(conn: Connection, user_id: str) -> list[Session]:
+    rows = conn.execute(
+        f"SELECT {_SESSION_COLS} FROM sessions WHERE user_id = ? ORDER BY created_at, id",
+        (user_id,),
+    )
+    return [_session(r) for r in rows]
+
+
+def user_turns_page(conn: Connection, user_id: str, after_id: int, limit: int) -> list[Turn]:
+    rows = conn.execute(
+        f"SELECT {_TURN_COLS} FROM turns WHERE user_id = ? AND id > ? ORDER BY id LIMIT ?",
+        (user_id, after_id, limit),
+    )
+    return [_turn(r) for r in rows]
+
+
+def list_users(conn: Connection) -> list[str]:
+    return [r[0] for r in conn.execute("SELECT id FROM users ORDER BY id")]
+
+
+def stats(conn: Connection, path: Path | None) -> StoreStats:
+    def count(sql: str) -> int:
+        return int(conn.execute(sql).fetchone()[0])
+
+    per_user = {
+        r[0]: int(r[1])
+        for r in conn.execute("SELECT user_id, count(*) FROM turns GROUP BY user_id ORDER BY 1")
+    }
+    versions = applied_versions(conn)
+    db_bytes = wal_bytes = 0
+    if path is not None:
+        db_bytes = path.stat().st_size if path.exists() else 0
+        wal = path.with_name(path.name + "-wal")
+        wal_bytes = wal.stat().st_size if wal.exists() else 0
+    return StoreStats(
+        schema_version=max(versions, default=0),
+        users=count("SELECT count(*) FROM users"),
+        sessions=count("SELECT count(*) FROM sessions"),
+        turns=count("SELECT count(*) FROM turns"),
+        vectors=count("SELECT count(*) FROM turns WHERE embed_hash IS NOT NULL"),
+        db_bytes=db_bytes,
+        wal_bytes=wal_bytes,
+        per_user=per_user,
+    )
+
+
+def get_meta(conn: Connection, key: str) -> str | None:
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return str(row[0]) if row is not None else None
+
+
+def set_meta(conn: Connection, key: str, value: str) -> None:
+    conn.execute(
+        "INSERT INTO meta(key, value) VALUES (?, ?)"
+        " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )
+
+
+def now() -> float:
+    return time.time()

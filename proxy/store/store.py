@@ -1,0 +1,428 @@
+"""The async face of the memory database: one writer thread, a pool of reader threads.
+
+Every SQLite call runs off the event loop. Writes go, in order, through a single writer thread
+that owns the one read-write connection (SQLite allows one writer; a queue is cheaper than lock
+contention); each write method is one transaction. Reads run on ``readers`` threads, each with
+its own ``query_only`` connection; WAL lets them read while the writer writes. Results come back
+as awaitables. A write, once submitted, runs to completion even if the awaiting task is
+cancelled, so a client that goes away never loses half of an archive step.
+
+Public surface (all ``async`` except the constructor)::
+
+    Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
+          speaker_weight=0.5)
+    open() / close()  (or ``async with Store(...) as store``)
+    read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (for the
+                                modules that bring their own tables: summaries, slots, facts…)
+    ensure_user(user_id)
+    get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
+                          fingerprint=None, indexed=None, max_level=None) -> Session
+    get_session(session_id) -> Session | None
+    find_session_by_fingerprint(user_id, fingerprint) -> Session | None
+    resolve_session(user_id, chain_hashes, *, min_length=1) -> (Session, matched) | None
+    set_session_fingerprint(session_id, fingerprint) / set_session_indexed(session_id, indexed)
+    list_sessions(user_id) -> list[Session]           most recently seen first
+    delete_session(session_id, *, user_id=None) -> bool   sub-sessions, turns, FTS rows and
+                                                          vectors go with it
+    delete_user(user_id) -> bool
+    add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns;
+                                                          positions already stored are skipped
+    set_vectors([(turn_id, vector, embed_hash)]) -> int; turns_without_vectors(user_id, limit)
+    vectors_by_embed_hash(hashes) -> dict[str, Vector]   reuse: texts embedded before
+    count_turns(session_id) -> int; session_turn_hashes(session_id) -> list[str]
+    session_turns(session_id, from_position=0, limit=None) -> list[Turn]
+    get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
+    fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=()) -> [(id, bm25)]
+    vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(), mode=None)
+        -> [(id, cosine distance)]
+    export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
+    stats() -> StoreStats
+    ensure_embedding_model(name) -> bool     False when turn_vec holds another model's vectors
+
+Search scope: with ``session_ids=None`` a search covers the user's sessions whose ``indexed``
+flag is set (sub-agent sessions are created unindexed); with a list, exactly those sessions.
+Everything is always confined to ``user_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from proxy.store import queries, search
+from proxy.store.db import Connection, connect
+from proxy.store.migrations import migrate
+from proxy.store.models import NewTurn, Session, StoreStats, Turn
+from proxy.store.search import QUANTIZED_ABOVE, VecMode
+from proxy.vectors import Vector
+
+T = TypeVar("T")
+
+_EMBED_MODEL_KEY = "embedding_model"
+# How long a user's turn count (which picks exact or quantised KNN) is trusted.
+_COUNT_TTL_S = 30.0
+
+
+class Store:
+    """The memory database. Create, ``await open()``, use, ``await close()``."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        readers: int = 2,
+        vec_mode: VecMode = "auto",
+        quantized_above: int = QUANTIZED_ABOVE,
+        speaker_weight: float = 0.5,
+    ) -> None:
+        if str(path) == ":memory:":
+            raise ValueError("the store needs a file: readers and writer use separate connections")
+        self.path = Path(path)
+        self._readers = max(1, readers)
+        self._vec_mode: VecMode = vec_mode
+        self._quantized_above = quantized_above
+        self._speaker_weight = speaker_weight
+        self._writer: ThreadPoolExecutor | None = None
+        self._reader_pool: ThreadPoolExecutor | None = None
+        self._write_conn: Connection | None = None
+        self._local = threading.local()
+        self._reader_conns: list[Connection] = []
+        self._conns_lock = threading.Lock()
+        self._user_counts: dict[str, tuple[float, int]] = {}
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Open the writer connection, apply migrations, start the threads."""
+        if self._writer is not None:
+            return
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-db-write")
+        self._reader_pool = ThreadPoolExecutor(
+            max_workers=self._readers,
+            thread_name_prefix="engram-db-read",
+            initializer=self._open_reader,
+        )
+
+        def _open_writer() -> None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = connect(self.path)
+            try:
+                migrate(conn)
+            except BaseException:
+                conn.close()
+                raise
+            self._write_conn = conn
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._writer, _open_writer)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Finish queued writes, close every connection, stop the threads."""
+        writer, self._writer = self._writer, None
+        pool, self._reader_pool = self._reader_pool, None
+        loop = asyncio.get_running_loop()
+        if pool is not None:
+            await loop.run_in_executor(None, pool.shutdown, True)
+        with self._conns_lock:
+            conns, self._reader_conns = self._reader_conns, []
+        for conn in conns:
+            conn.close()
+        if writer is not None:
+
+            def _close_writer() -> None:  # queued behind every write already submitted
+                conn, self._write_conn = self._write_conn, None
+                if conn is not None:
+                    conn.close()
+
+            writer.submit(_close_writer)
+            await loop.run_in_executor(None, writer.shutdown, True)
+
+    async def __aenter__(self) -> Store:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _open_reader(self) -> None:
+        conn = connect(self.path, readonly=True)
+        self._local.conn = conn
+        with self._conns_lock:
+            self._reader_conns.append(conn)
+
+    # -- running work ---------------------------------------------------------------------
+    async def read(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` on a reader thread with a read-only connection."""
+        pool = self._reader_pool
+        if pool is None:
+            raise RuntimeError("store is not open")
+
+        def job() -> T:
+            return fn(self._local.conn)
+
+        return await asyncio.get_running_loop().run_in_executor(pool, job)
+
+    async def write(self, fn: Callable[[Connection], T]) -> T:
+        """Run ``fn(conn)`` on the writer thread inside one ``BEGIN IMMEDIATE`` transaction.
+
+        Once submitted it runs to completion even if the caller is cancelled.
+        """
+        writer = self._writer
+        if writer is None:
+            raise RuntimeError("store is not open")
+
+        def job() -> T:
+            conn = self._write_conn
+            assert conn is not None
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return result
+
+        future = asyncio.wrap_future(writer.submit(job))
+        return await asyncio.shield(future)
+
+    # -- users and sessions ---------------------------------------------------------------
+    async def ensure_user(self, user_id: str) -> None:
+        now = time.time()
+        await self.write(lambda c: queries.ensure_user(c, user_id, now))
+
+    async def get_or_create_session(
+        self,
+        user_id: str,
+        session_id: str,
+        *,
+        parent_id: str | None = None,
+        agent: str | None = None,
+        fingerprint: str | None = None,
+        indexed: bool | None = None,
+        max_level: int | None = None,
+    ) -> Session:
+        """The session, created if new (``last_seen`` bumped if not).
+
+        A sub-session (``parent_id``) gets ``level = parent.level + 1`` and, unless ``indexed``
+        says otherwise, stays out of searches over the user's whole memory. Raises
+        :class:`SessionConflict` when the id (or the parent) belongs to another user,
+        :class:`SessionNotFound` for a missing parent and :class:`SessionDepthExceeded` past
+        ``max_level``.
+        """
+        now = time.time()
+        return await self.write(
+            lambda c: queries.get_or_create_session(
+                c,
+                user_id,
+                session_id,
+                parent_id=parent_id,
+                agent=agent,
+                fingerprint=fingerprint,
+                indexed=indexed,
+                max_level=max_level,
+                now=now,
+            )
+        )
+
+    async def get_session(self, session_id: str) -> Session | None:
+        return await self.read(lambda c: queries.get_session(c, session_id))
+
+    async def find_session_by_fingerprint(self, user_id: str, fingerprint: str) -> Session | None:
+        return await self.read(
+            lambda c: queries.find_session_by_fingerprint(c, user_id, fingerprint)
+        )
+
+    async def resolve_session(
+        self, user_id: str, hashes: Sequence[str], *, min_length: int = 1
+    ) -> tuple[Session, int] | None:
+        """The user's session sharing the longest prefix of chain ``hashes`` (see queries)."""
+        hashes = list(hashes)
+        return await self.read(lambda c: queries.resolve_session(c, user_id, hashes, min_length))
+
+    async def set_session_fingerprint(self, session_id: str, fingerprint: str | None) -> None:
+        await self.write(lambda c: queries.set_session_fingerprint(c, session_id, fingerprint))
+
+    async def set_session_indexed(self, session_id: str, indexed: bool) -> None:
+        await self.write(lambda c: queries.set_session_indexed(c, session_id, indexed))
+
+    async def list_sessions(self, user_id: str) -> list[Session]:
+        return await self.read(lambda c: queries.list_sessions(c, user_id))
+
+    async def delete_session(self, session_id: str, *, user_id: str | None = None) -> bool:
+        """Delete the session and its sub-sessions with all their turns; False if none matched."""
+        return await self.write(lambda c: queries.delete_session(c, session_id, user_id))
+
+    async def delete_user(self, user_id: str) -> bool:
+        self._user_counts.pop(user_id, None)
+        return await self.write(lambda c: queries.delete_user(c, user_id))
+
+    # -- turns ----------------------------------------------------------------------------
+    async def add_turns(
+        self,
+        session_id: str,
+        user_id: str,
+        turns: Sequence[NewTurn],
+        vectors: Sequence[Vector | None] | None = None,
+    ) -> list[int]:
+        """Archive ``turns`` (with a vector each, or None) in one transaction.
+
+        Positions the session already holds are skipped; returns the ids inserted.
+        """
+        now = time.time()
+        turns = list(turns)
+        vecs = list(vectors) if vectors is not None else None
+        return await self.write(
+            lambda c: queries.add_turns(c, session_id, user_id, turns, vecs, now)
+        )
+
+    async def set_vectors(self, items: Sequence[tuple[int, Vector, str]]) -> int:
+        items = list(items)
+        return await self.write(lambda c: queries.set_vectors(c, items))
+
+    async def turns_without_vectors(self, user_id: str | None, limit: int = 256) -> list[Turn]:
+        return await self.read(lambda c: queries.turns_without_vectors(c, user_id, limit))
+
+    async def vectors_by_embed_hash(self, hashes: Sequence[str]) -> dict[str, Vector]:
+        hashes = list(hashes)
+        if not hashes:
+            return {}
+        return await self.read(lambda c: queries.vectors_by_embed_hash(c, hashes))
+
+    async def count_turns(self, session_id: str) -> int:
+        return await self.read(lambda c: queries.count_turns(c, session_id))
+
+    async def session_turn_hashes(self, session_id: str) -> list[str]:
+        return await self.read(lambda c: queries.session_turn_hashes(c, session_id))
+
+    async def session_turns(
+        self, session_id: str, from_position: int = 0, limit: int | None = None
+    ) -> list[Turn]:
+        return await self.read(lambda c: queries.session_turns(c, session_id, from_position, limit))
+
+    async def get_turns(self, ids: Sequence[int], *, user_id: str | None = None) -> list[Turn]:
+        ids = list(ids)
+        if not ids:
+            return []
+        return await self.read(lambda c: queries.get_turns(c, ids, user_id))
+
+    # -- search ---------------------------------------------------------------------------
+    async def fts_search(
+        self,
+        user_id: str,
+        match: str,
+        limit: int,
+        *,
+        session_ids: Sequence[str] | None = None,
+        exclude_ids: Iterable[int] = (),
+    ) -> list[tuple[int, float]]:
+        """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.fts_query`."""
+        sessions = list(session_ids) if session_ids is not None else None
+        excluded = list(exclude_ids)
+        return await self.read(
+            lambda c: search.fts_search(
+                c,
+                user_id,
+                match,
+                limit,
+                session_ids=sessions,
+                exclude_ids=excluded,
+                speaker_weight=self._speaker_weight,
+            )
+        )
+
+    async def vec_search(
+        self,
+        user_id: str,
+        vector: Vector,
+        limit: int,
+        *,
+        session_ids: Sequence[str] | None = None,
+        exclude_ids: Iterable[int] = (),
+        mode: VecMode | None = None,
+    ) -> list[tuple[int, float]]:
+        """(turn id, cosine distance) nearest first, over the user's partition only."""
+        sessions = list(session_ids) if session_ids is not None else None
+        excluded = list(exclude_ids)
+        mode = mode or self._vec_mode
+
+        def job(c: Connection) -> list[tuple[int, float]]:
+            quantized = mode == "quantized" or (
+                mode == "auto" and self._user_turn_count(c, user_id) > self._quantized_above
+            )
+            return search.vec_search(
+                c,
+                user_id,
+                vector,
+                limit,
+                session_ids=sessions,
+                exclude_ids=excluded,
+                quantized=quantized,
+            )
+
+        return await self.read(job)
+
+    def _user_turn_count(self, conn: Connection, user_id: str) -> int:
+        """A recent count of the user's turns (reader thread; a stale value only picks a plan)."""
+        cached = self._user_counts.get(user_id)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < _COUNT_TTL_S:
+            return cached[1]
+        count = queries.count_user_turns(conn, user_id)
+        self._user_counts[user_id] = (now, count)
+        return count
+
+    # -- export, stats, meta --------------------------------------------------------------
+    async def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:
+        """Everything one user namespace holds, as JSON-ready dicts: sessions, then turns."""
+        for session in await self.read(lambda c: queries.session_rows(c, user_id)):
+            yield {"type": "session", **_asdict(session)}
+        after = 0
+        while True:
+            page = await self.read(
+                functools.partial(
+                    queries.user_turns_page, user_id=user_id, after_id=after, limit=page_size
+                )
+            )
+            for turn in page:
+                yield {"type": "turn", **_asdict(turn)}
+            if len(page) < page_size:
+                return
+            after = page[-1].id
+
+    async def list_users(self) -> list[str]:
+        return await self.read(queries.list_users)
+
+    async def stats(self) -> StoreStats:
+        return await self.read(lambda c: queries.stats(c, self.path))
+
+    async def ensure_embedding_model(self, name: str) -> bool:
+        """Record ``name`` as the model of ``turn_vec`` if none is; False if another one is."""
+
+        def job(c: Connection) -> bool:
+            current = queries.get_meta(c, _EMBED_MODEL_KEY)
+            if current is None:
+                queries.set_meta(c, _EMBED_MODEL_KEY, name)
+                return True
+            return current == name
+
+        return await self.write(job)
+
+
+def _asdict(row: Session | Turn) -> dict[str, Any]:
+    return dataclasses.asdict(row)

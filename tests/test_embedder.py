@@ -1,0 +1,157 @@
+"""Embedders: the caching machinery (with the hash fake) and the offline MiniLM model."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from proxy.embedder import (
+    DEFAULT_MODEL,
+    Embedder,
+    FastEmbedEmbedder,
+    HashEmbedder,
+    Kind,
+    assemble_minilm,
+    create_embedder,
+)
+
+
+async def embed_alone(text: str) -> np.ndarray:
+    fresh = HashEmbedder()
+    try:
+        (vec,) = await fresh.embed_passages([text])
+        return vec
+    finally:
+        await fresh.aclose()
+
+
+class Recording(HashEmbedder):
+    """A hash embedder that records every batch and the thread it ran on."""
+
+    def __init__(self, **kwargs: int) -> None:
+        super().__init__(**kwargs)
+        self.batches: list[tuple[Kind, list[str]]] = []
+        self.threads: set[int] = set()
+
+    def _embed_sync(self, kind: Kind, texts: list[str]) -> npt.NDArray[np.float32]:
+        self.batches.append((kind, list(texts)))
+        self.threads.add(threading.get_ident())
+        return super()._embed_sync(kind, texts)
+
+
+@pytest.mark.asyncio
+async def test_hash_embedder_is_deterministic_normalised_and_word_based() -> None:
+    e = HashEmbedder()
+    try:
+        assert isinstance(e, Embedder) and e.dim == 384 and e.name == "hash-384"
+        a, b, c, empty = await e.embed_passages(
+            ["the red fox jumps", "The red fox sleeps", "quarterly tax filing", ""]
+        )
+        assert a.dtype == np.float32 and a.shape == (384,)
+        for v in (a, b, c, empty):
+            assert float(np.linalg.norm(v)) == pytest.approx(1.0, abs=1e-6)
+        assert float(a @ b) > float(a @ c)
+        np.testing.assert_array_equal(a, await embed_alone("the red fox jumps"))
+    finally:
+        await e.aclose()
+
+
+@pytest.mark.asyncio
+async def test_dedup_batching_lru_and_worker_thread() -> None:
+    e = Recording(batch_size=2, lru_size=3)
+    try:
+        out = await e.embed_passages(["a", "b", "a", "c", "b"])
+        assert [kind for kind, _ in e.batches] == ["passage", "passage"]
+        assert [texts for _, texts in e.batches] == [["a", "b"], ["c"]]  # each text once
+        np.testing.assert_array_equal(out[0], out[2])
+        assert threading.get_ident() not in e.threads and len(e.threads) == 1
+
+        e.batches.clear()
+        await e.embed_passages(["a", "c"])  # served by the LRU
+        assert e.batches == []
+        await e.embed_queries(["a"])  # queries and passages are cached apart
+        assert e.batches == [("query", ["a"])]
+        e.batches.clear()
+        await e.embed_passages(["d", "e"])  # evicts the oldest entries (lru_size=3)
+        await e.embed_passages(["b"])
+        assert e.batches == [("passage", ["d", "e"]), ("passage", ["b"])]
+        assert not out[0].flags.writeable  # cached vectors are shared, so read-only
+        assert await e.embed_passages([]) == []
+        with pytest.raises(TypeError):
+            await e.embed_passages("not a list")
+    finally:
+        await e.aclose()
+
+
+@pytest.mark.asyncio
+async def test_batches_group_similar_lengths_and_keep_input_order() -> None:
+    e = Recording(batch_size=2)
+    try:
+        texts = ["a much longer text than the rest", "tiny", "medium text", "wee"]
+        out = await e.embed_passages(texts)
+        assert [t for _, t in e.batches] == [["wee", "tiny"], ["medium text", texts[0]]]
+        for text, vec in zip(texts, out, strict=True):
+            np.testing.assert_array_equal(vec, await embed_alone(text))
+    finally:
+        await e.aclose()
+
+
+def test_create_embedder() -> None:
+    assert isinstance(create_embedder("hash"), HashEmbedder)
+    fe = create_embedder()
+    assert isinstance(fe, FastEmbedEmbedder) and fe.name == DEFAULT_MODEL and fe.dim == 384
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def test_assemble_minilm_folder(model_cache: Path) -> None:
+    folder = assemble_minilm(model_cache)
+    names = {p.name for p in folder.iterdir()}
+    assert {
+        "model.onnx",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    } <= names
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert config["model_max_length"] == 256 and config["pad_token"] == "[PAD]"
+    stamp = (folder / "model.onnx").stat().st_mtime_ns
+    assert assemble_minilm(model_cache) == folder  # second call reuses the folder
+    assert (folder / "model.onnx").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.asyncio
+async def test_minilm_offline_vectors_are_sane(model_cache: Path) -> None:
+    e = FastEmbedEmbedder(cache_dir=model_cache)
+    try:
+        await e.load()
+        texts = [
+            "The cat sits on the mat.",
+            "A cat is sitting on a rug.",
+            "Stock markets fell sharply after the announcement.",
+        ]
+        cat, cat2, stocks = await e.embed_queries(texts)
+        assert cat.shape == (384,) and cat.dtype == np.float32
+        assert float(np.linalg.norm(cat)) == pytest.approx(1.0, abs=1e-4)
+        assert float(cat @ cat2) > 0.6
+        assert float(cat @ cat2) > float(cat @ stocks) + 0.4
+        # padding in a batch with a longer text does not change a vector
+        long_text = "word " * 200
+        batch = await e.embed_passages([texts[0], long_text])
+        fresh = FastEmbedEmbedder(cache_dir=model_cache, lru_size=0)
+        try:
+            (alone,) = await fresh.embed_passages([texts[0]])
+        finally:
+            await fresh.aclose()
+        assert float(batch[0] @ alone) > 0.999
+    finally:
+        await e.aclose()

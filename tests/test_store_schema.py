@@ -1,0 +1,266 @@
+"""Migrations on a blank database, the schema they leave, and the triggers that keep indexes
+in step with ``turns``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from proxy.store import db, migrations
+from proxy.store.db import Connection
+from proxy.vectors import to_blob
+
+
+@pytest.fixture
+def conn(tmp_path: Path) -> Iterator[Connection]:
+    c = db.connect(tmp_path / "memory.db")
+    migrations.migrate(c)
+    yield c
+    c.close()
+
+
+def _objects(conn: Connection, kind: str) -> set[str]:
+    rows = conn.execute("SELECT name FROM sqlite_master WHERE type = ?", (kind,))
+    return {r[0] for r in rows}
+
+
+def _columns(conn: Connection, table: str) -> list[str]:
+    return [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+
+
+def test_blank_database_gets_every_migration(tmp_path: Path) -> None:
+    c = db.connect(tmp_path / "blank.db")
+    try:
+        assert migrations.applied_versions(c) == []
+        applied = migrations.migrate(c)
+        assert applied == [v for v, _ in migrations.MIGRATIONS]
+        assert migrations.applied_versions(c) == applied
+        rows = c.execute("SELECT version, applied_at FROM schema_migrations").fetchall()
+        assert all(isinstance(at, float) and at > 1.6e9 for _, at in rows)
+        assert migrations.migrate(c) == []  # idempotent
+    finally:
+        c.close()
+
+
+def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
+    tables = _objects(conn, "table")
+    assert {
+        "schema_migrations",
+        "meta",
+        "users",
+        "sessions",
+        "turns",
+        "turns_fts",
+        "turn_vec",
+    } <= tables
+    assert _columns(conn, "users") == ["id", "created_at"]
+    assert _columns(conn, "sessions") == [
+        "id",
+        "user_id",
+        "parent_id",
+        "level",
+        "agent",
+        "created_at",
+        "last_seen",
+        "fingerprint",
+        "indexed",
+    ]
+    assert _columns(conn, "turns") == [
+        "id",
+        "session_id",
+        "user_id",
+        "position",
+        "role",
+        "speaker",
+        "content",
+        "tool_calls",
+        "tool_call_id",
+        "timestamp",
+        "token_count",
+        "content_hash",
+        "embed_hash",
+        "incomplete",
+    ]
+    assert _objects(conn, "trigger") == {"turns_ai", "turns_au", "turns_ad"}
+    assert {"turns_user", "turns_user_hash", "turns_embed_hash", "sessions_user"} <= _objects(
+        conn, "index"
+    )
+    # turns is unique on (session_id, position); sessions and turns cascade from their parents.
+    uniques = [
+        [r[2] for r in conn.execute(f"PRAGMA index_info({idx[1]})")]
+        for idx in conn.execute("PRAGMA index_list(turns)")
+        if idx[2] == 1
+    ]
+    assert ["session_id", "position"] in uniques
+    fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(turns)")}
+    assert ("sessions", "session_id", "CASCADE") in fks
+    assert ("users", "user_id", "CASCADE") in fks
+    fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(sessions)")}
+    assert ("sessions", "parent_id", "CASCADE") in fks
+
+
+def test_fts5_is_external_content_with_the_configured_tokenizer(conn: Connection) -> None:
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'turns_fts'").fetchone()
+    assert "fts5(" in sql.lower()
+    assert "content = 'turns'" in sql and "content_rowid = 'id'" in sql
+    assert f"tokenize = '{migrations.FTS_TOKENIZE}'" in sql
+    assert _columns(conn, "turns_fts") == ["content", "speaker"]
+
+
+def test_vec0_table_is_partitioned_by_user(conn: Connection) -> None:
+    (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'turn_vec'").fetchone()
+    compact = " ".join(sql.split()).lower()
+    assert "using vec0(" in compact
+    assert "turn_id integer primary key" in compact
+    assert "user_id text partition key" in compact
+    assert f"embedding float[{migrations.EMBED_DIM}] distance_metric=cosine" in compact
+    assert f"embedding_bits bit[{migrations.EMBED_DIM}]" in compact
+
+
+def test_pragmas(conn: Connection) -> None:
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    assert conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    assert conn.execute("PRAGMA busy_timeout").fetchone()[0] == db.DEFAULT_BUSY_TIMEOUT_MS
+
+
+def test_newer_database_is_refused(conn: Connection) -> None:
+    conn.execute("INSERT INTO schema_migrations VALUES (999, 0)")
+    with pytest.raises(RuntimeError, match="newer"):
+        migrations.migrate(conn)
+
+
+def test_failed_migration_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(c: Connection) -> None:
+        c.execute("CREATE TABLE half_done (x)")
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, (2, broken)))
+    c = db.connect(tmp_path / "m.db")
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            migrations.migrate(c)
+        assert migrations.applied_versions(c) == [1]
+        assert "half_done" not in _objects(c, "table")
+        assert not c.in_transaction
+    finally:
+        c.close()
+
+
+# -- triggers ---------------------------------------------------------------------------------
+
+
+def _add_session(
+    conn: Connection, session: str = "s1", user: str = "u1", parent: str | None = None
+) -> None:
+    conn.execute("INSERT OR IGNORE INTO users(id, created_at) VALUES (?, 0)", (user,))
+    conn.execute(
+        "INSERT INTO sessions(id, user_id, parent_id, created_at, last_seen)"
+        " VALUES (?, ?, ?, 0, 0)",
+        (session, user, parent),
+    )
+
+
+def _add_turn(
+    conn: Connection, position: int, content: str, session: str = "s1", user: str = "u1"
+) -> int:
+    cur = conn.execute(
+        "INSERT INTO turns(session_id, user_id, position, role, speaker, content, timestamp,"
+        " content_hash) VALUES (?, ?, ?, 'user', 'Ann', ?, 0, 'h')",
+        (session, user, position, content),
+    )
+    assert cur.lastrowid is not None
+    vec = np.zeros(migrations.EMBED_DIM, dtype=np.float32)
+    vec[position % migrations.EMBED_DIM] = 1.0
+    conn.execute(
+        "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed)"
+        " VALUES (?, ?, ?, vec_quantize_binary(?), ?, 1)",
+        (cur.lastrowid, user, to_blob(vec), to_blob(vec), session),
+    )
+    return cur.lastrowid
+
+
+def _fts(conn: Connection, query: str) -> list[int]:
+    rows = conn.execute(
+        "SELECT rowid FROM turns_fts WHERE turns_fts MATCH ? ORDER BY rowid", (query,)
+    )
+    return [r[0] for r in rows]
+
+
+def _vec_ids(conn: Connection) -> list[int]:
+    return sorted(r[0] for r in conn.execute("SELECT turn_id FROM turn_vec"))
+
+
+def test_insert_trigger_indexes_content_and_speaker(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "We hiked the mountains")
+    b = _add_turn(conn, 1, "Pottery class on Tuesday")
+    assert _fts(conn, '"hiking"') == [a]  # porter stemming
+    assert _fts(conn, '"pottery"') == [b]
+    assert _fts(conn, 'speaker : "ann"') == [a, b]
+    # the index agrees with its content table
+    conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('integrity-check', 1)")
+
+
+def test_update_trigger_reindexes(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "old words here")
+    conn.execute("UPDATE turns SET content = 'fresh text' WHERE id = ?", (a,))
+    assert _fts(conn, '"old"') == []
+    assert _fts(conn, '"fresh"') == [a]
+    conn.execute("UPDATE turns SET incomplete = 1 WHERE id = ?", (a,))  # not an indexed column
+    assert _fts(conn, '"fresh"') == [a]
+    conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('integrity-check', 1)")
+
+
+def test_delete_trigger_removes_fts_rows_and_vectors(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "first message")
+    b = _add_turn(conn, 1, "second message")
+    assert _vec_ids(conn) == [a, b]
+    conn.execute("DELETE FROM turns WHERE id = ?", (a,))
+    assert _fts(conn, '"message"') == [b]
+    assert _vec_ids(conn) == [b]
+    conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('integrity-check', 1)")
+
+
+def test_cascade_from_session_reaches_sub_sessions_fts_and_vectors(conn: Connection) -> None:
+    _add_session(conn, "parent")
+    _add_session(conn, "child", parent="parent")
+    _add_session(conn, "grandchild", parent="child")
+    _add_session(conn, "other")
+    _add_turn(conn, 0, "parent words", "parent")
+    _add_turn(conn, 0, "child words", "child")
+    _add_turn(conn, 0, "grandchild words", "grandchild")
+    keep = _add_turn(conn, 0, "other words", "other")
+    conn.execute("DELETE FROM sessions WHERE id = 'parent'")
+    assert [r[0] for r in conn.execute("SELECT id FROM sessions")] == ["other"]
+    assert [r[0] for r in conn.execute("SELECT id FROM turns")] == [keep]
+    assert _fts(conn, '"words"') == [keep]
+    assert _vec_ids(conn) == [keep]
+
+
+def test_cascade_from_user(conn: Connection) -> None:
+    _add_session(conn, "s1", "u1")
+    _add_session(conn, "s2", "u2")
+    _add_turn(conn, 0, "mine", "s1", "u1")
+    theirs = _add_turn(conn, 0, "theirs", "s2", "u2")
+    conn.execute("DELETE FROM users WHERE id = 'u1'")
+    assert [r[0] for r in conn.execute("SELECT id FROM turns")] == [theirs]
+    assert _vec_ids(conn) == [theirs]
+
+
+def test_tool_calls_are_json_text(conn: Connection) -> None:
+    _add_session(conn)
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    conn.execute(
+        "INSERT INTO turns(session_id, user_id, position, role, content, tool_calls, timestamp,"
+        " content_hash) VALUES ('s1', 'u1', 0, 'assistant', '', ?, 0, 'h')",
+        (json.dumps(calls),),
+    )
+    (stored,) = conn.execute("SELECT tool_calls FROM turns").fetchone()
+    assert json.loads(stored) == calls
