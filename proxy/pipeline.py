@@ -23,6 +23,7 @@ from aiohttp import web
 from proxy.config import Settings
 from proxy.errors import BadRequest
 from proxy.forward import is_event_stream, read_body, relay
+from proxy.memory import MemoryService, MemoryTurn
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
 from proxy.tasks import BackgroundTasks
 from proxy.upstream import Upstream, forward_headers
@@ -37,13 +38,14 @@ class ChatTurn:
     """Everything one chat request carries through the pipeline."""
 
     request_id: str
-    memory: str
+    mode: str  # the X-Engram-Memory mode
     body: dict[str, Any]
     raw: bytes
     started: float = field(default_factory=time.monotonic)
     stream: bool = False
     messages_changed: bool = False
     response_headers: dict[str, str] = field(default_factory=dict)
+    memory: MemoryTurn | None = None
     status: int | None = None
     reply: AssembledReply | None = None
     client_gone: bool = False
@@ -122,11 +124,20 @@ def _json_type(value: Any) -> str:
 class ChatPipeline:
     """Handles POST /v1/chat/completions (and /chat/completions)."""
 
-    def __init__(self, settings: Settings, upstream: Upstream, tasks: BackgroundTasks) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        upstream: Upstream,
+        tasks: BackgroundTasks,
+        memory: MemoryService | None = None,
+    ) -> None:
         self.settings = settings
         self.upstream = upstream
         self.tasks = tasks
+        self.memory = memory
         self.reply_hooks: list[ReplyHook] = []
+        if memory is not None:
+            self.reply_hooks.append(self._archive_reply)
         self.keep_cors = bool(settings.server.cors_origins)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -139,13 +150,17 @@ class ChatPipeline:
         body = parse_chat_body(raw)
         turn = ChatTurn(
             request_id=request_id,
-            memory=mode,
+            mode=mode,
             body=body,
             raw=raw,
             stream=body.get("stream") is True,
         )
         turn.response_headers["X-Engram-Request-Id"] = request_id
-        payload = json.dumps(body, ensure_ascii=False).encode() if turn.messages_changed else raw
+        if self.memory is not None:
+            await self._remember(request, turn)
+        payload = (
+            json.dumps(turn.body, ensure_ascii=False).encode() if turn.messages_changed else raw
+        )
         return await self._forward(request, turn, payload)
 
     async def _forward_raw(
@@ -197,6 +212,29 @@ class ChatPipeline:
             else:
                 turn.reply = _plain_reply(b"".join(plain), ended_cleanly)
             self._after_reply(turn)
+
+    async def _remember(self, request: web.Request, turn: ChatTurn) -> None:
+        """The memory stages before forwarding. A failure degrades memory, never the request."""
+        assert self.memory is not None
+        try:
+            mt = await self.memory.before_forward(request.headers, turn.body, turn.mode)
+        except Exception:
+            log.exception("memory stages failed; forwarding the request unchanged")
+            return
+        turn.memory = mt
+        if mt.placement is not None:
+            turn.response_headers["X-Engram-Session"] = mt.placement.session.id
+        turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
+        if mt.messages is not turn.body["messages"]:
+            turn.body = {**turn.body, "messages": mt.messages}
+            turn.messages_changed = True
+
+    async def _archive_reply(self, turn: ChatTurn) -> None:
+        if self.memory is None or turn.memory is None or turn.reply is None:
+            return
+        if turn.status != 200 or turn.memory.placement is None:
+            return
+        await self.memory.after_reply(turn.memory, turn.reply.message(), turn.reply.complete)
 
     def _after_reply(self, turn: ChatTurn) -> None:
         """Hand the finished turn to the hooks, in the background (never on the client's time)."""

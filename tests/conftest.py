@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,12 @@ class Engram:
     url: str
     app: web.Application
     runner: web.AppRunner
+    tmp: tempfile.TemporaryDirectory[str]
     turns: list[ChatTurn] = field(default_factory=list)
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        self.tmp.cleanup()
 
     @property
     def base_url(self) -> str:
@@ -34,7 +40,14 @@ class Engram:
 
 
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
-    overrides: dict[str, dict[str, Any]] = {"upstream": {"url": upstream_url}}
+    """Engram on a free port with its own database in a temporary folder. Unless a test says
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model)."""
+    tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
+    overrides: dict[str, dict[str, Any]] = {
+        "upstream": {"url": upstream_url},
+        "memory": {"db_path": f"{tmp.name}/engram.db"},
+        "embedder": {"model": "hash"},
+    }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
     settings: Settings = load_settings(None, None, overrides)
@@ -44,7 +57,7 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    engram = Engram(f"http://127.0.0.1:{port}", app, runner)
+    engram = Engram(f"http://127.0.0.1:{port}", app, runner, tmp)
 
     async def probe(turn: ChatTurn) -> None:
         engram.turns.append(turn)
@@ -65,7 +78,7 @@ async def engram(fake: FakeUpstream) -> AsyncIterator[Engram]:
     try:
         yield e
     finally:
-        await e.runner.cleanup()
+        await e.close()
 
 
 @pytest_asyncio.fixture

@@ -160,7 +160,7 @@ async def test_upstream_unreachable_is_502_not_retried() -> None:
         assert "http://127.0.0.1:9" in err.value.message
         assert err.value.response.headers["x-should-retry"] == "false"
     finally:
-        await engram.runner.cleanup()
+        await engram.close()
 
 
 # --- raw bytes -----------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ async def test_ollama_paths_pass_through(http: aiohttp.ClientSession) -> None:
                 lines = [json.loads(x) for x in (await r.read()).splitlines() if x]
             assert lines[-1]["done"] is True
         finally:
-            await engram.runner.cleanup()
+            await engram.close()
 
 
 async def test_streaming_is_not_buffered(
@@ -379,7 +379,7 @@ async def test_body_over_limit_is_413(fake: FakeUpstream, http: aiohttp.ClientSe
         assert not fake.chat_requests()
         assert not [r for r in fake.requests if r.path == "/v1/embeddings"]
     finally:
-        await engram.runner.cleanup()
+        await engram.close()
 
 
 async def test_unknown_engram_route_is_404_json(
@@ -408,7 +408,7 @@ async def test_no_cors_unless_configured(fake: FakeUpstream, http: aiohttp.Clien
         async with http.get(engram.url + "/v1/models", headers={"Origin": "http://a.b"}) as r:
             assert "Access-Control-Allow-Origin" not in r.headers
     finally:
-        await engram.runner.cleanup()
+        await engram.close()
     engram = await start_engram(fake.url, server={"cors_origins": ["http://a.b"]})
     try:
         async with http.options(
@@ -419,7 +419,7 @@ async def test_no_cors_unless_configured(fake: FakeUpstream, http: aiohttp.Clien
         async with http.get(engram.url + "/v1/models", headers={"Origin": "http://c.d"}) as r:
             assert "Access-Control-Allow-Origin" not in r.headers
     finally:
-        await engram.runner.cleanup()
+        await engram.close()
 
 
 # --- health and discovery ------------------------------------------------------------------------
@@ -437,7 +437,7 @@ async def test_health_reports_upstream(engram: Engram, http: aiohttp.ClientSessi
         assert r.status == 200 and h["status"] == "degraded"
         assert h["upstream"]["reachable"] is False
     finally:
-        await down.runner.cleanup()
+        await down.close()
 
 
 async def test_ollama_kind_and_context_discovery() -> None:
@@ -450,7 +450,7 @@ async def test_ollama_kind_and_context_discovery() -> None:
             assert up.info.kind == "ollama"
             assert await up.context_size("llama3") == 8192
         finally:
-            await engram.runner.cleanup()
+            await engram.close()
 
 
 async def test_plain_reply_is_assembled(

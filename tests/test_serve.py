@@ -61,10 +61,13 @@ async def test_sigterm_drains_in_flight_stream() -> None:
         proc, url = await start_serve("--upstream", fake.url)
         try:
             fake.enqueue(StreamReply(chat_chunks([f"p{i} " for i in range(10)]), delay=0.1))
-            async with aiohttp.ClientSession() as http, http.post(
-                url + "/v1/chat/completions",
-                json={"messages": [{"role": "user", "content": "x"}], "stream": True},
-            ) as r:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    url + "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "x"}], "stream": True},
+                ) as r,
+            ):
                 first = await r.content.readany()
                 proc.send_signal(signal.SIGTERM)
                 rest = await r.read()

@@ -1,0 +1,372 @@
+"""The memory stages of a chat turn: identify → archive → retrieve → inject; archive the reply.
+
+On the request path: resolve the user and session (one indexed query, plus a tiny write when a
+session is new), then one hybrid search and the injection. Archiving (redaction, embedding,
+inserts) runs in tracked background tasks: it never delays the response, and a client that goes
+away loses nothing that reached Engram.
+
+Sessions: an explicit id (header or body) names the session, scoped to its user. Without one the
+conversation is recognised by its chain of message hashes (``proxy.identity``): a stored session
+whose turns are a prefix of this request, matched through at least the first assistant reply, is
+continued; one whose stored turns go on differently after the match (an edited or regenerated
+message) is forked: the new session stores the turns from the point where they differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.config import Settings
+from proxy.embedder import Embedder
+from proxy.identity import (
+    Identity,
+    anchor_length,
+    chain_hashes,
+    content_text,
+    extend_chain,
+    identify,
+    is_housekeeping,
+)
+from proxy.inject import Memory, approx_tokens, inject, memory_block
+from proxy.logs import event
+from proxy.redact import redact
+from proxy.retrieval import Retriever
+from proxy.store import queries
+from proxy.store.db import Connection
+from proxy.store.models import NewTurn, Session, Turn, text_hash
+from proxy.store.store import Store
+from proxy.tasks import BackgroundTasks
+
+log = logging.getLogger("engram.memory")
+
+# Roles whose turns are recalled into other conversations; system prompts and tool plumbing
+# are archived (nothing is lost) but never injected.
+RECALLED_ROLES = frozenset({"user", "assistant", "tool", "function", "summary", "fact"})
+# Longest text embedded for a turn (the default model reads 256 tokens anyway).
+EMBED_CHARS = 2000
+
+
+@dataclass
+class Placement:
+    """Where this request's messages belong: the session, and which of them are new."""
+
+    session: Session
+    matched: int  # leading messages of the request already stored in this session
+    explicit: bool
+    created: bool
+    next_position: int  # the position the first new message takes
+
+
+@dataclass
+class MemoryTurn:
+    """What the memory stages learned about one chat request."""
+
+    identity: Identity
+    messages: list[dict[str, Any]]
+    chains: list[str]
+    placement: Placement | None = None
+    archive_task: asyncio.Task[Any] | None = None
+    injected: list[int] = field(default_factory=list)
+    skipped: str | None = None  # why memory did nothing (housekeeping, …)
+
+
+def scoped_session_id(explicit: str, user: str, owner: str | None) -> str:
+    """A client-chosen session id, kept as is unless another user already owns it."""
+    if owner is None or owner == user:
+        return explicit
+    return f"{explicit}~{hashlib.sha256(user.encode()).hexdigest()[:8]}"
+
+
+def _max_position(conn: Connection, session_id: str) -> int:
+    row = conn.execute(
+        "SELECT max(position) FROM turns WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return -1 if row is None or row[0] is None else int(row[0])
+
+
+def _owner(conn: Connection, session_id: str) -> str | None:
+    row = conn.execute("SELECT user_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def _new_session(
+    conn: Connection, user: str, sid: str, fingerprint: str | None, now: float
+) -> Session:
+    return queries.get_or_create_session(
+        conn,
+        user,
+        sid,
+        parent_id=None,
+        agent=None,
+        fingerprint=fingerprint,
+        indexed=True,
+        max_level=None,
+        now=now,
+    )
+
+
+def place(
+    conn: Connection,
+    user: str,
+    explicit: str | None,
+    chains: Sequence[str],
+    anchor: int | None,
+    create: bool,
+    now: float,
+) -> Placement | None:
+    """Find (and with ``create``, make) the session of a request. Runs in one transaction."""
+    if explicit is not None:
+        sid = explicit
+        owner = _owner(conn, sid)
+        if owner is not None and owner != user:
+            sid = scoped_session_id(explicit, user, owner)
+            owner = _owner(conn, sid)
+        if owner is None:
+            if not create:
+                return None
+            session = _new_session(conn, user, sid, None, now)
+            return Placement(session, 0, True, True, 0)
+        found_session = queries.get_session(conn, sid)
+        assert found_session is not None
+        session = found_session
+        stored = set(queries.session_turn_hashes(conn, sid))
+        matched = 0
+        for h in chains:  # the longest stored prefix; chain hashes make prefixes unique
+            if h not in stored:
+                break
+            matched += 1
+        return Placement(session, matched, True, False, _max_position(conn, sid) + 1)
+
+    found = (
+        queries.resolve_session(conn, user, list(chains), min_length=anchor or 1)
+        if anchor is not None
+        else None
+    )
+    if found is not None:
+        session, matched = found
+        last = _max_position(conn, session.id)
+        if last < matched:  # nothing stored past the match: the same conversation, continued
+            return Placement(session, matched, False, False, matched)
+        if matched == len(chains) and last == matched - 1:
+            return Placement(session, matched, False, False, matched)
+        fork_from = session
+    else:
+        fork_from = None
+        matched = 0
+    if not create:
+        return None
+    fingerprint = chains[anchor - 1] if anchor is not None and len(chains) >= anchor else None
+    session = _new_session(conn, user, "s-" + uuid.uuid4().hex[:20], fingerprint, now)
+    if fork_from is not None:
+        log.debug("conversation forked from %s at message %d", fork_from.id, matched)
+    return Placement(session, matched, False, True, matched)
+
+
+def to_new_turns(
+    messages: Sequence[Mapping[str, Any]],
+    chains: Sequence[str],
+    first: int,
+    redact_secrets: bool,
+    now: float,
+    *,
+    incomplete: bool = False,
+) -> list[NewTurn]:
+    """Archive rows for ``messages`` (already known new), positions from ``first``."""
+    out: list[NewTurn] = []
+    for i, (msg, chain) in enumerate(zip(messages, chains, strict=True)):
+        text = content_text(msg.get("content"))
+        calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
+        if redact_secrets:
+            text = redact(text)
+            if calls:
+                calls = [_redact_call(c) for c in calls]
+        name = msg.get("name") if isinstance(msg.get("name"), str) else None
+        call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
+        out.append(
+            NewTurn(
+                position=first + i,
+                role=str(msg.get("role")),
+                content=text,
+                speaker=name,
+                tool_calls=calls,
+                tool_call_id=call_id,
+                timestamp=now,
+                token_count=approx_tokens(text),
+                incomplete=incomplete,
+                content_hash=chain,
+                embed_hash=text_hash(text[:EMBED_CHARS]),
+            )
+        )
+    return out
+
+
+def _redact_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        fn["arguments"] = redact(fn["arguments"])
+    return {**call, "function": fn}
+
+
+class MemoryService:
+    """Owns the memory stages for the chat pipeline."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        embedder: Embedder | None,
+        retriever: Retriever,
+        tasks: BackgroundTasks,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.embedder = embedder
+        self.retriever = retriever
+        self.tasks = tasks
+        extra = settings.memory.housekeeping_patterns
+        self._housekeeping = (
+            re.compile("|".join(f"(?:{p})" for p in extra), re.I) if extra else None
+        )
+        self.archived_turns = 0
+        self.embed_failures = 0
+
+    async def before_forward(
+        self, headers: Mapping[str, str], body: dict[str, Any], mode: str
+    ) -> MemoryTurn:
+        """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
+        returns what it decided (``mt.messages`` is what to forward)."""
+        messages: list[dict[str, Any]] = body["messages"]
+        ident = identify(headers, body)
+        mt = MemoryTurn(ident, messages, chain_hashes(messages))
+        if is_housekeeping(messages, self._housekeeping):
+            mt.skipped = "housekeeping"
+            return mt
+        write = mode in ("on", "write-only")
+        now = time.time()
+        anchor = anchor_length(messages)
+        mt.placement = await (self.store.write if write else self.store.read)(
+            lambda c: place(c, ident.user, ident.explicit_session, mt.chains, anchor, write, now)
+        )
+        if write and mt.placement is not None:
+            mt.archive_task = self.tasks.spawn(
+                self._archive_request(mt, now), name="archive-request"
+            )
+        if mode in ("on", "read-only"):
+            await self._recall(mt)
+        return mt
+
+    async def _recall(self, mt: MemoryTurn) -> None:
+        s = self.settings.retrieval
+        query = _last_user_text(mt.messages)
+        if not query or s.top_k <= 0 or s.budget_tokens <= 0:
+            return
+        present = {
+            text_hash(redact(content_text(m.get("content")))[:EMBED_CHARS]) for m in mt.messages
+        }
+        present |= {text_hash(content_text(m.get("content"))[:EMBED_CHARS]) for m in mt.messages}
+        current = mt.placement.session.id if mt.placement else None
+
+        def keep(turn: Turn) -> bool:
+            if turn.role not in RECALLED_ROLES or not turn.content.strip():
+                return False
+            if turn.session_id == current:
+                return False  # this conversation is in the request already
+            return text_hash(turn.content[:EMBED_CHARS]) not in present
+
+        try:
+            hits = await self.retriever.search(mt.identity.user, query, s.top_k, keep=keep)
+        except Exception:  # memory degrades, the request goes on
+            log.exception("retrieval failed; forwarding without memories")
+            return
+        memories = [
+            Memory(
+                h.turn.id,
+                h.turn.role,
+                h.turn.speaker,
+                h.turn.content,
+                h.turn.timestamp,
+                h.turn.session_id,
+                h.score,
+            )
+            for h in hits
+        ]
+        block, used = memory_block(memories, s.budget_tokens, approx_tokens)
+        if used:
+            mt.messages = inject(mt.messages, block)
+            mt.injected = [m.id for m in used]
+
+    async def _archive_request(self, mt: MemoryTurn, now: float) -> None:
+        placement = mt.placement
+        assert placement is not None
+        first = placement.matched
+        new = mt.messages[first:]
+        if not new:
+            return
+        rows = to_new_turns(
+            new,
+            mt.chains[first:],
+            placement.next_position,
+            self.settings.memory.redact_secrets,
+            now,
+        )
+        await self._store_turns(placement.session, rows)
+
+    async def after_reply(
+        self, mt: MemoryTurn, reply_message: dict[str, Any], complete: bool
+    ) -> None:
+        """Archive the assistant's reply (after the request's own messages)."""
+        if mt.archive_task is not None:
+            await asyncio.gather(mt.archive_task, return_exceptions=True)
+        placement = mt.placement
+        if placement is None:
+            return
+        if not content_text(reply_message.get("content")) and not reply_message.get("tool_calls"):
+            return
+        prev = mt.chains[-1] if mt.chains else ""
+        chain = extend_chain(prev, reply_message)
+        position = placement.next_position + len(mt.messages) - placement.matched
+        rows = to_new_turns(
+            [reply_message],
+            [chain],
+            position,
+            self.settings.memory.redact_secrets,
+            time.time(),
+            incomplete=not complete,
+        )
+        await self._store_turns(placement.session, rows)
+
+    async def _store_turns(self, session: Session, rows: list[NewTurn]) -> None:
+        vectors: list[Any] | None = None
+        if self.embedder is not None:
+            wanted = [i for i, r in enumerate(rows) if r.content.strip()]
+            try:
+                vecs = await self.embedder.embed_passages(
+                    [rows[i].content[:EMBED_CHARS] for i in wanted]
+                )
+                vectors = [None] * len(rows)
+                for i, v in zip(wanted, vecs, strict=True):
+                    vectors[i] = v
+            except Exception:  # the text is kept; vectors can be backfilled later
+                self.embed_failures += 1
+                log.exception("embedding failed; archiving without vectors")
+                vectors = None
+        ids = await self.store.add_turns(session.id, session.user_id, rows, vectors)
+        self.archived_turns += len(ids)
+        event(log, logging.DEBUG, "archived", session=session.id, turns=len(ids))
+
+
+def _last_user_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    for msg in reversed(messages):
+        if msg.get("role") == "user":
+            return content_text(msg.get("content")).strip()
+    return ""

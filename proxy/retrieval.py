@@ -1,0 +1,130 @@
+"""Hybrid search over one user's memory: FTS5 BM25 and vector KNN, fused by RRF, MMR optional.
+
+Both paths run concurrently (the query embedding runs on the embedder's thread, the SQL on the
+store's readers). The same code serves the chat pipeline, the admin API, the CLI and the
+benchmarks, so what is measured is what runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from proxy.config import RetrievalSettings
+from proxy.embedder import Embedder
+from proxy.fts_query import STOP_WORDS, to_match
+from proxy.fusion import Fused, mmr, rrf
+from proxy.store.db import Connection
+from proxy.store.models import Turn
+from proxy.store.store import Store
+from proxy.vectors import Vector
+
+MODES = ("hybrid", "fts", "vec")
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result: the turn, its fused score and its 1-based rank in each path."""
+
+    turn: Turn
+    score: float
+    ranks: dict[str, int | None]
+
+
+class Retriever:
+    """Hybrid retrieval with the settings of ``[retrieval]``."""
+
+    def __init__(
+        self, store: Store, embedder: Embedder | None, settings: RetrievalSettings
+    ) -> None:
+        self.store = store
+        self.embedder = embedder
+        self.settings = settings
+
+    async def search(
+        self,
+        user_id: str,
+        query: str,
+        k: int,
+        *,
+        mode: str = "hybrid",
+        session_ids: Sequence[str] | None = None,
+        keep: Callable[[Turn], bool] | None = None,
+        use_mmr: bool | None = None,
+    ) -> list[Hit]:
+        """The ``k`` best turns of ``user_id`` for ``query``. ``keep`` filters candidates
+        (e.g. turns already in the request) before the cut to ``k``."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}")
+        if k <= 0 or not query.strip():
+            return []
+        s = self.settings
+        n = max(s.candidates, k)
+        want_fts = mode in ("hybrid", "fts")
+        want_vec = mode in ("hybrid", "vec") and self.embedder is not None
+        match = (
+            to_match(query, stop_words=STOP_WORDS if s.stop_words else None) if want_fts else None
+        )
+
+        async def fts() -> list[int]:
+            if match is None:
+                return []
+            rows = await self.store.fts_search(user_id, match, n, session_ids=session_ids)
+            return [turn_id for turn_id, _ in rows]
+
+        qvec: Vector | None = None
+
+        async def vec() -> list[int]:
+            nonlocal qvec
+            if not want_vec or self.embedder is None:
+                return []
+            qvec = (await self.embedder.embed_queries([query]))[0]
+            rows = await self.store.vec_search(user_id, qvec, n, session_ids=session_ids)
+            return [turn_id for turn_id, _ in rows]
+
+        fts_ids, vec_ids = await asyncio.gather(fts(), vec())
+        rankings: dict[str, list[int]] = {}
+        if want_fts:
+            rankings["fts"] = fts_ids
+        if want_vec:
+            rankings["vec"] = vec_ids
+        fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
+        if not fused:
+            return []
+        turns = {
+            t.id: t for t in await self.store.get_turns([f.id for f in fused], user_id=user_id)
+        }
+        kept = [f for f in fused if f.id in turns and (keep is None or keep(turns[f.id]))]
+        if (s.mmr if use_mmr is None else use_mmr) and qvec is not None and len(kept) > 1:
+            kept = await self._mmr(kept, qvec, k)
+        return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
+
+    async def _mmr(self, fused: list[Fused[int]], qvec: Vector, k: int) -> list[Fused[int]]:
+        pool = fused[: max(k * 4, 20)]
+        vectors = await self.store.read(lambda c: turn_vectors(c, [f.id for f in pool]))
+        relevance = {f.id: f.score for f in pool}
+        order = mmr(
+            [f.id for f in pool if f.id in vectors],
+            qvec,
+            vectors,
+            lam=self.settings.mmr_lambda,
+            top_k=k,
+            relevance=relevance,
+        )
+        by_id = {f.id: f for f in pool}
+        return [by_id[i] for i in order]
+
+
+def turn_vectors(conn: Connection, ids: Sequence[int]) -> dict[int, Vector]:
+    """Stored vectors of some turns (point lookups in ``turn_vec``)."""
+    out: dict[int, Vector] = {}
+    for turn_id in ids:
+        row = conn.execute(
+            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
+        ).fetchone()
+        if row is not None:
+            out[turn_id] = np.frombuffer(row[0], dtype=np.float32)
+    return out
