@@ -41,7 +41,7 @@ from proxy.redact import redact
 from proxy.retrieval import Retriever
 from proxy.store import queries
 from proxy.store.db import Connection
-from proxy.store.models import NewTurn, Session, Turn, text_hash
+from proxy.store.models import NewTurn, Session, Turn, index_text, text_hash
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
 
@@ -190,10 +190,11 @@ def to_new_turns(
                 calls = [_redact_call(c) for c in calls]
         name = msg.get("name") if isinstance(msg.get("name"), str) else None
         call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
+        role = str(msg.get("role"))
         out.append(
             NewTurn(
                 position=first + i,
-                role=str(msg.get("role")),
+                role=role,
                 content=text,
                 speaker=name,
                 tool_calls=calls,
@@ -202,7 +203,7 @@ def to_new_turns(
                 token_count=approx_tokens(text),
                 incomplete=incomplete,
                 content_hash=chain,
-                embed_hash=text_hash(text[:EMBED_CHARS]),
+                embed_hash=text_hash(index_text(role, name, text)[:EMBED_CHARS]),
             )
         )
     return out
@@ -351,7 +352,10 @@ class MemoryService:
             wanted = [i for i, r in enumerate(rows) if r.content.strip()]
             try:
                 vecs = await self.embedder.embed_passages(
-                    [rows[i].content[:EMBED_CHARS] for i in wanted]
+                    [
+                        index_text(rows[i].role, rows[i].speaker, rows[i].content)[:EMBED_CHARS]
+                        for i in wanted
+                    ]
                 )
                 vectors = [None] * len(rows)
                 for i, v in zip(wanted, vecs, strict=True):

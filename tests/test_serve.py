@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from proxy.store.store import Store
 from tests.fake_chunks import chat_chunks
 from tests.fake_upstream import FakeUpstream, StreamReply
 
@@ -26,7 +30,13 @@ def free_port() -> int:
 
 async def start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Each process gets its own database (never the user's) and the fast fake embedder.
+    env = {
+        "ENGRAM_MEMORY_DB_PATH": os.path.join(tempfile.mkdtemp(prefix="engram-serve-"), "e.db"),
+        "ENGRAM_EMBEDDER_MODEL": "hash",
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+    }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -105,3 +115,60 @@ async def test_startup_without_any_upstream_says_so() -> None:
         assert time.monotonic() - start < 15
     log = (await proc.stdout.read()).decode() if proc.stdout else ""
     assert "no upstream found" in log
+
+
+async def test_sigkill_during_burst_leaves_an_intact_database(tmp_path: Path) -> None:
+    db = tmp_path / "engram.db"
+    async with FakeUpstream() as fake:
+        proc, url = await start_serve("--upstream", fake.url, "--db", str(db))
+
+        async def one(i: int, http: aiohttp.ClientSession) -> None:
+            msgs = [{"role": "user", "content": f"fact number {i}: the code is {i * 7}"}]
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.post(
+                    url + "/v1/chat/completions",
+                    json={"messages": msgs},
+                    headers={"X-Engram-User": f"user{i % 3}"},
+                ) as r:
+                    await r.read()
+
+        async with aiohttp.ClientSession() as http:
+            burst = asyncio.gather(*(one(i, http) for i in range(300)))
+            await asyncio.sleep(0.4)
+            proc.kill()  # SIGKILL: no cleanup at all
+            await burst
+        await proc.wait()
+
+        store = Store(db)
+        await store.open()
+        try:
+            check = await store.read(lambda c: c.execute("PRAGMA integrity_check").fetchall())
+            assert check == [("ok",)]
+            await store.write(
+                lambda c: c.execute("INSERT INTO turns_fts(turns_fts) VALUES('integrity-check')")
+            )
+            stats = await store.stats()
+            assert stats.turns > 0
+            orphans = await store.read(
+                lambda c: c.execute(
+                    "SELECT count(*) FROM turn_vec WHERE turn_id NOT IN (SELECT id FROM turns)"
+                ).fetchone()[0]
+            )
+            assert orphans == 0
+        finally:
+            await store.close()
+
+        proc, url = await start_serve("--upstream", fake.url, "--db", str(db))
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    url + "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "what is the code?"}]},
+                    headers={"X-Engram-User": "user1"},
+                ) as r,
+            ):
+                assert r.status == 200
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await proc.wait()
