@@ -70,8 +70,9 @@ class MemoryTurn:
     """What the memory stages learned about one chat request."""
 
     identity: Identity
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # as the client sent them (what is archived)
     chains: list[str]
+    forward: list[dict[str, Any]] | None = None  # what to forward instead, when changed
     placement: Placement | None = None
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
@@ -245,7 +246,7 @@ class MemoryService:
         self, headers: Mapping[str, str], body: dict[str, Any], mode: str
     ) -> MemoryTurn:
         """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
-        returns what it decided (``mt.messages`` is what to forward)."""
+        returns what it decided (``mt.forward``, when set, is the messages to forward)."""
         messages: list[dict[str, Any]] = body["messages"]
         ident = identify(headers, body)
         mt = MemoryTurn(ident, messages, chain_hashes(messages))
@@ -303,7 +304,7 @@ class MemoryService:
         ]
         block, used = memory_block(memories, s.budget_tokens, approx_tokens)
         if used:
-            mt.messages = inject(mt.messages, block)
+            mt.forward = inject(mt.messages, block)
             mt.injected = [m.id for m in used]
 
     async def _archive_request(self, mt: MemoryTurn, now: float) -> None:

@@ -225,8 +225,8 @@ class ChatPipeline:
         if mt.placement is not None:
             turn.response_headers["X-Engram-Session"] = mt.placement.session.id
         turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
-        if mt.messages is not turn.body["messages"]:
-            turn.body = {**turn.body, "messages": mt.messages}
+        if mt.forward is not None:
+            turn.body = {**turn.body, "messages": mt.forward}
             turn.messages_changed = True
 
     async def _archive_reply(self, turn: ChatTurn) -> None:

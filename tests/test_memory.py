@@ -308,3 +308,17 @@ async def test_memory_failure_degrades_never_fails_the_request(
     assert body["choices"][0]["message"]["content"] == "echo: still there?"
     assert fake.chat_requests()[-1].json()["messages"][1]["content"] == "still there?"
     assert engram.app[MEMORY] is not None
+
+
+async def test_injected_block_is_never_archived(
+    real: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    await chat(http, real, [SYSTEM, {"role": "user", "content": "I play the cello."}], user="c")
+    await settle(real)
+    _, r = await chat(
+        http, real, [SYSTEM, {"role": "user", "content": "What instrument do I play?"}], user="c"
+    )
+    assert int(r.headers["X-Engram-Memories"]) >= 1
+    await settle(real)
+    for t in await all_turns(real, "c"):
+        assert BLOCK_OPEN not in t.content
