@@ -61,6 +61,7 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
     app.cleanup_ctx.append(_resources(upstream_info))
 
     app.router.add_get("/engram/health", health)
+    app.router.add_get("/engram/metrics", metrics)
     app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
@@ -317,6 +318,27 @@ async def health(request: web.Request) -> web.Response:
             "background_tasks": len(app[TASKS]),
         }
     )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Counters in Prometheus' text format."""
+    app = request.app
+    pipeline, tasks = app[PIPELINE], app[TASKS]
+    values: dict[str, float] = {
+        "engram_uptime_seconds": round(time.time() - app[STARTED], 1),
+        "engram_background_tasks": len(tasks),
+        "engram_background_tasks_failed_total": tasks.failed,
+    }
+    for mode in ("on", "off", "read-only", "write-only"):
+        values[f'engram_chat_requests_total{{mode="{mode}"}}'] = pipeline.counts[f"chat_{mode}"]
+    for name in ("client_disconnects", "upstream_failures", "memories_injected"):
+        values[f"engram_{name}_total"] = pipeline.counts[name]
+    memory = pipeline.memory
+    if memory is not None:
+        values["engram_turns_archived_total"] = memory.archived_turns
+        values["engram_embed_failures_total"] = memory.embed_failures
+    text = "".join(f"{k} {v:g}\n" for k, v in values.items())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 async def engram_not_found(request: web.Request) -> web.StreamResponse:

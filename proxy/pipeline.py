@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,6 +137,7 @@ class ChatPipeline:
         self.tasks = tasks
         self.memory = memory
         self.reply_hooks: list[ReplyHook] = []
+        self.counts: Counter[str] = Counter()  # for /engram/metrics
         if memory is not None:
             self.reply_hooks.append(self._archive_reply)
         self.keep_cors = bool(settings.server.cors_origins)
@@ -145,6 +147,7 @@ class ChatPipeline:
         mode = memory_mode(request.headers.get("X-Engram-Memory"))
         request_id = uuid.uuid4().hex
         if mode == "off":
+            self.counts["chat_off"] += 1
             # Pure pass-through: nothing parsed, nothing stored, the client's bytes forwarded.
             return await self._forward_raw(request, raw, request_id)
         body = parse_chat_body(raw)
@@ -238,6 +241,11 @@ class ChatPipeline:
 
     def _after_reply(self, turn: ChatTurn) -> None:
         """Hand the finished turn to the hooks, in the background (never on the client's time)."""
+        counts = self.counts
+        counts[f"chat_{turn.mode}"] += 1
+        counts["client_disconnects"] += turn.client_gone
+        counts["upstream_failures"] += turn.upstream_failed
+        counts["memories_injected"] += len(turn.memory.injected) if turn.memory else 0
         for hook in self.reply_hooks:
             self.tasks.spawn(hook(turn), name=f"reply-hook:{turn.request_id}")
 

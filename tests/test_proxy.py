@@ -464,3 +464,19 @@ async def test_plain_reply_is_assembled(
     await wait_for_turns(engram)
     reply = engram.turns[0].reply
     assert reply is not None and reply.complete and reply.tool_calls[0]["id"] == "c1"
+
+
+async def test_metrics_count_requests(engram: Engram, http: aiohttp.ClientSession) -> None:
+    async with http.post(engram.url + "/v1/chat/completions", json={"messages": MSGS}) as r:
+        await r.read()
+    async with http.post(
+        engram.url + "/v1/chat/completions",
+        json={"messages": MSGS},
+        headers={"X-Engram-Memory": "off"},
+    ) as r:
+        await r.read()
+    await wait_for_turns(engram)
+    async with http.get(engram.url + "/engram/metrics") as r:
+        text = await r.text()
+    assert 'engram_chat_requests_total{mode="on"} 1' in text
+    assert 'engram_chat_requests_total{mode="off"} 1' in text
