@@ -54,14 +54,19 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
     """Build the application. ``upstream_info`` skips detection (tests, pre-detected CLI)."""
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[_errors_and_access_log(settings), _host_and_cors(settings)],
+        middlewares=[_middleware(settings)],
     )
+    if settings.server.cors_origins:
+        app.on_response_prepare.append(_cors_headers(set(settings.server.cors_origins)))
     app[SETTINGS] = settings
     app[STARTED] = time.time()
     app.cleanup_ctx.append(_resources(upstream_info))
 
     app.router.add_get("/engram/health", health)
     app.router.add_get("/engram/metrics", metrics)
+    from proxy.admin_api import add_routes as add_admin_routes  # it imports this module's keys
+
+    add_admin_routes(app)
     app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/chat/completions", chat_completions)
@@ -174,15 +179,38 @@ def _announce(info: UpstreamInfo) -> None:
 # --- middleware ---------------------------------------------------------------------------------
 
 
-def _errors_and_access_log(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """One place turns every failure into OpenAI's error shape; one line per request."""
+def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The one middleware: the Host allow-list (DNS-rebinding protection), CORS preflight,
+    every failure turned into OpenAI's error shape, and the access log line."""
+    server = settings.server
+    allowed = _allowed_hosts(settings)
+    origins = set(server.cors_origins)
+    too_large = PayloadTooLarge(
+        f"Request body too large: Engram accepts at most {server.max_body_bytes} bytes "
+        "(setting server.max_body_bytes)."
+    )
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         start = time.perf_counter()
         status = 500
         try:
-            resp = await handler(request)
+            host = request.headers.get("Host")
+            if allowed is not None and host is not None and _hostname(host) not in allowed:
+                raise Forbidden(
+                    f"Host {host!r} is not allowed. Engram answers only to "
+                    f"{', '.join(sorted(allowed))}; add other names to server.allowed_hosts.",
+                    code="host_not_allowed",
+                )
+            if (
+                origins
+                and request.method == "OPTIONS"
+                and "Access-Control-Request-Method" in request.headers
+                and _cors_origin(request, origins)
+            ):
+                resp: web.StreamResponse = web.Response(status=204)
+            else:
+                resp = await handler(request)
             status = resp.status
             return resp
         except EngramError as exc:
@@ -190,12 +218,7 @@ def _errors_and_access_log(settings: Settings) -> Callable[..., Awaitable[web.St
             return error_response(exc)
         except web.HTTPRequestEntityTooLarge:
             status = 413
-            return error_response(
-                PayloadTooLarge(
-                    f"Request body too large: Engram accepts at most "
-                    f"{settings.server.max_body_bytes} bytes (setting server.max_body_bytes)."
-                )
-            )
+            return error_response(too_large)
         except web.HTTPException as exc:
             status = exc.status
             if exc.status < 400:
@@ -211,7 +234,7 @@ def _errors_and_access_log(settings: Settings) -> Callable[..., Awaitable[web.St
                 error_body("Engram hit an internal error; see its log.", "server_error"), status=500
             )
         finally:
-            if settings.server.access_log:
+            if server.access_log:
                 event(
                     access_log,
                     logging.INFO,
@@ -225,49 +248,42 @@ def _errors_and_access_log(settings: Settings) -> Callable[..., Awaitable[web.St
     return middleware
 
 
-def _host_and_cors(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """DNS-rebinding protection (Host allow-list) and opt-in CORS."""
+def _allowed_hosts(settings: Settings) -> set[str] | None:
+    """Host names accepted, or None when any is (a network bind with no allow-list)."""
     server = settings.server
     allowed = {h.lower() for h in server.allowed_hosts}
-    check_host = True
     if server.host in ("127.0.0.1", "::1", "localhost") or server.host.startswith("127."):
-        allowed |= LOOPBACK_NAMES | {server.host.lower()}
-    elif not allowed:
-        check_host = False  # bound to a network address with no allow-list: any name reaches it
-    else:
-        allowed.add(server.host.lower())
-    origins = set(server.cors_origins)
+        return allowed | LOOPBACK_NAMES | {server.host.lower()}
+    if not allowed:
+        return None
+    return allowed | {server.host.lower()}
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        host = request.headers.get("Host")
-        if check_host and host is not None and _hostname(host) not in allowed:
-            raise Forbidden(
-                f"Host {host!r} is not allowed. Engram answers only to "
-                f"{', '.join(sorted(allowed))}; add other names to server.allowed_hosts.",
-                code="host_not_allowed",
-            )
-        origin = request.headers.get("Origin")
-        cors = origin is not None and ("*" in origins or origin in origins)
-        if (
-            cors
-            and request.method == "OPTIONS"
-            and "Access-Control-Request-Method" in request.headers
-        ):
-            resp: web.StreamResponse = web.Response(status=204)
-        else:
-            resp = await handler(request)
-        if cors and not resp.prepared:
-            resp.headers["Access-Control-Allow-Origin"] = origin or "*"
-            resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
-                "Access-Control-Request-Headers", "*"
-            )
-            resp.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
-            resp.headers["Access-Control-Expose-Headers"] = "*"
-            resp.headers["Vary"] = "Origin"
-        return resp
 
-    return middleware
+def _cors_origin(request: web.Request, origins: set[str]) -> str | None:
+    origin = request.headers.get("Origin")
+    if origin is not None and ("*" in origins or origin in origins):
+        return origin
+    return None
+
+
+def _cors_headers(
+    origins: set[str],
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """Adds CORS headers as any response (streamed ones included) is about to be sent."""
+
+    async def on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
+        origin = _cors_origin(request, origins)
+        if origin is None:
+            return
+        resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
+            "Access-Control-Request-Headers", "*"
+        )
+        resp.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+        resp.headers["Access-Control-Expose-Headers"] = "*"
+        resp.headers["Vary"] = "Origin"
+
+    return on_prepare
 
 
 def _hostname(host: str) -> str:

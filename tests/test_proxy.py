@@ -418,6 +418,14 @@ async def test_no_cors_unless_configured(fake: FakeUpstream, http: aiohttp.Clien
             assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "http://a.b"
         async with http.get(engram.url + "/v1/models", headers={"Origin": "http://c.d"}) as r:
             assert "Access-Control-Allow-Origin" not in r.headers
+        async with http.post(
+            engram.url + "/v1/chat/completions",
+            json={"messages": MSGS, "stream": True},
+            headers={"Origin": "http://a.b"},
+        ) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            assert r.headers["Access-Control-Allow-Origin"] == "http://a.b"
+            await r.read()
     finally:
         await engram.close()
 
