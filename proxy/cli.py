@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", help="debug, info, warning or error")
     serve.add_argument("--db", metavar="PATH", help="the memory database file")
 
+    _memory_commands(sub)
+
     cfg = sub.add_parser("config", help="print settings")
     _common(cfg)
     cfg.add_argument(
@@ -62,6 +64,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="print every default as commented TOML (config/engram.toml)",
     )
     return parser
+
+
+MEMORY_COMMANDS = ("search", "sessions", "forget", "export", "import", "stats", "doctor")
+
+
+def _memory_commands(sub: Any) -> None:
+    """The commands that read or change memory (implemented in proxy.commands)."""
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help)
+        _common(p)
+        p.add_argument("--db", metavar="PATH", help="the memory database file")
+        return p
+
+    p = add("search", "search one user's memory")
+    p.add_argument("query", help="the text to search for")
+    p.add_argument("--user", help="user namespace (default: default)")
+    p.add_argument("--session", help="only this session")
+    p.add_argument("-k", type=int, default=10, help="how many results (1-100, default 10)")
+    p.add_argument("--mode", default="hybrid", choices=("hybrid", "fts", "vec"))
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = add("sessions", "list sessions")
+    p.add_argument("--user", help="only this user namespace (default: every user)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = add("forget", "delete a session, or (--user U --all --yes) a whole user namespace")
+    p.add_argument("session", nargs="?", metavar="SESSION_ID")
+    p.add_argument("--user", help="the user namespace the session belongs to")
+    p.add_argument("--all", action="store_true", help="delete everything of --user")
+    p.add_argument("--yes", action="store_true", help="confirm --all")
+    p = add("export", "write memory as JSON Lines (readable by engram import)")
+    p.add_argument("--user", help="only this user namespace (default: every user)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p = add("import", "import turns from a JSON Lines file")
+    p.add_argument("file", metavar="FILE.jsonl")
+    p.add_argument("--batch", type=int, default=256, help="lines per batch (default 256)")
+    p = add("stats", "counts and sizes")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = add("doctor", "check SQLite, FTS5, sqlite-vec, the model, the upstream")
+    p.add_argument("--upstream", metavar="URL", help="model server base URL")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -168,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
         if args.command == "serve":
             return serve(settings)
+        if args.command in MEMORY_COMMANDS:
+            from proxy import commands  # imported late: it loads the store and the embedder
+
+            return commands.run(args, settings)
     except ConfigError as exc:
         print(f"engram: {exc}", file=sys.stderr)
         return 2

@@ -52,10 +52,12 @@ class Retriever:
         *,
         mode: str = "hybrid",
         session_ids: Sequence[str] | None = None,
+        exclude_sessions: Sequence[str] = (),
         keep: Callable[[Turn], bool] | None = None,
         use_mmr: bool | None = None,
     ) -> list[Hit]:
-        """The ``k`` best turns of ``user_id`` for ``query``. ``keep`` filters candidates
+        """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` are left out
+        inside the searches (they take no candidate places); ``keep`` filters candidates
         (e.g. turns already in the request) before the cut to ``k``."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
@@ -63,6 +65,7 @@ class Retriever:
             return []
         s = self.settings
         n = max(s.candidates, k)
+        skip = list(exclude_sessions)
         want_fts = mode in ("hybrid", "fts")
         want_vec = mode in ("hybrid", "vec") and self.embedder is not None
         match = (
@@ -72,7 +75,9 @@ class Retriever:
         async def fts() -> list[int]:
             if match is None:
                 return []
-            rows = await self.store.fts_search(user_id, match, n, session_ids=session_ids)
+            rows = await self.store.fts_search(
+                user_id, match, n, session_ids=session_ids, exclude_sessions=skip
+            )
             return [turn_id for turn_id, _ in rows]
 
         qvec: Vector | None = None
@@ -82,7 +87,9 @@ class Retriever:
             if not want_vec or self.embedder is None:
                 return []
             qvec = (await self.embedder.embed_queries([query]))[0]
-            rows = await self.store.vec_search(user_id, qvec, n, session_ids=session_ids)
+            rows = await self.store.vec_search(
+                user_id, qvec, n, session_ids=session_ids, exclude_sessions=skip
+            )
             return [turn_id for turn_id, _ in rows]
 
         fts_ids, vec_ids = await asyncio.gather(fts(), vec())

@@ -109,6 +109,7 @@ class Upstream:
         self.info = info
         self.base = URL(info.url)
         self._ctx_cache: dict[str, int] = {}
+        self._urls: dict[str, URL] = {}  # raw path -> upstream URL (building one costs)
         limit = settings.max_connections
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300),
@@ -130,7 +131,11 @@ class Upstream:
 
         The caller owns the response: read it, then release or close it.
         """
-        url = join_url(self.base, raw_path)
+        url = self._urls.get(raw_path)
+        if url is None:
+            if len(self._urls) > 1024:
+                self._urls.clear()
+            url = self._urls[raw_path] = join_url(self.base, raw_path)
         # Large bodies go as a stream so aiohttp does not copy them in one blocking write.
         data: bytes | io.BytesIO | None = body or None
         if body and len(body) > _LARGE_BODY:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.fts_query import STOP_WORDS, quote, to_match, tokens
+from proxy.fts_query import NLTK_STOP_WORDS, STOP_WORDS, quote, to_match, tokens
 from proxy.store import db
 from proxy.store.db import Connection
 from proxy.store.migrations import FTS_TOKENIZE
@@ -41,20 +41,26 @@ def search(conn: Connection, text: str, **kwargs: object) -> list[int]:
 
 def test_quotes_each_token_and_joins_with_or() -> None:
     assert to_match("When did Caroline go to the support group?") == (
-        '"Caroline" OR "go" OR "support" OR "group"'
+        '"caroline" OR "go" OR "support" OR "group"'
     )
     assert to_match("pottery pottery POTTERY class") == '"pottery" OR "class"'
 
 
 def test_operators_become_literal_words_or_vanish() -> None:
     assert to_match('NEAR(a b) AND "x" OR -y ^z col:val * +w', stop_words=None) == (
-        '"NEAR" OR "a" OR "b" OR "AND" OR "x" OR "OR" OR "y" OR "z" OR "col" OR "val" OR "w"'
+        '"near" OR "a" OR "b" OR "and" OR "x" OR "or" OR "y" OR "z" OR "col" OR "val" OR "w"'
     )
 
 
 def test_nothing_searchable_gives_none() -> None:
-    for text in ["", "   ", "?!.,;:*^()-+\"'", "_ __ ___", "the and of it", "\x00\x01"]:
+    for text in ["", "   ", "?!.,;:*^()-+\"'", "_ __ ___", "\x00\x01"]:
         assert to_match(text) is None, text
+        assert to_match(text, stop_words=None) is None, text
+
+
+def test_only_stop_words_keeps_them_all() -> None:
+    assert to_match("the and of it") == '"the" OR "and" OR "of" OR "it"'
+    assert to_match("Who was it? Who!") == '"who" OR "was" OR "it"'
     assert to_match("the and of it", stop_words=None) == '"the" OR "and" OR "of" OR "it"'
 
 
@@ -75,8 +81,16 @@ def test_quote_escapes_quotes() -> None:
     assert quote('say "hi"') == '"say ""hi"""'
 
 
-def test_stop_words_are_lower_case_words() -> None:
+def test_stop_words_are_nltks_english_list() -> None:
+    assert len(NLTK_STOP_WORDS) == len(set(NLTK_STOP_WORDS)) == 179
     assert all(w == w.lower() and w.isalpha() for w in STOP_WORDS)
+    assert len(STOP_WORDS) == 179 - sum("'" in w for w in NLTK_STOP_WORDS)
+    assert {"don", "t", "ll", "ve", "ain", "ma", "needn"} <= STOP_WORDS
+    # every dropped contraction's halves are still stop words
+    for word in NLTK_STOP_WORDS:
+        assert all(part in STOP_WORDS for part in tokens(word)), word
+    assert to_match("What didn't Melanie paint?") == '"melanie" OR "paint"'
+
 
 
 def test_finds_documents(fts: Connection) -> None:

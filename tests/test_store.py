@@ -176,14 +176,24 @@ async def test_fts_search_scopes(store: Store, embedder: HashEmbedder) -> None:
     assert match is not None
 
     hits = await store.fts_search("alice", match, 10)
-    assert sorted(i for i, _ in hits) == sorted([a[0], a2[0]])  # not bob's, not the sub-agent's
+    # not bob's, not the sub-agent's; "Nice!" through its neighbour's words (the ctx column),
+    # which weigh less than a turn's own
+    assert sorted(i for i, _ in hits) == sorted([*a, a2[0]])
+    assert hits[-1][0] == a[1]
     assert all(score < 0 for _, score in hits)  # bm25: lower is better
     only_a2 = await store.fts_search("alice", match, 10, session_ids=["a2"])
     assert [i for i, _ in only_a2] == a2
     sub_hits = await store.fts_search("alice", match, 10, session_ids=["a-sub"])
     assert len(sub_hits) == 1
     excluded = await store.fts_search("alice", match, 10, exclude_ids=[a[0]])
-    assert [i for i, _ in excluded] == a2
+    assert [i for i, _ in excluded] == [a2[0], a[1]]
+    other = await store.fts_search("alice", match, 10, exclude_sessions=["a1"])
+    assert [i for i, _ in other] == a2
+    assert await store.fts_search("alice", match, 10, exclude_sessions=["a1", "a2"]) == []
+    sub_only = await store.fts_search(
+        "alice", match, 10, session_ids=["a-sub", "a2"], exclude_sessions=["a2"]
+    )
+    assert len(sub_only) == 1 and sub_only[0][0] not in a2
     assert await store.fts_search("alice", match, 0) == []
     assert await store.fts_search("carol", match, 10) == []
 
@@ -203,6 +213,39 @@ async def test_vec_search_scopes(store: Store, embedder: HashEmbedder, mode: str
     assert ids[7] not in {i for i, _ in hits} and len(hits) == 5
     assert await store.vec_search("alice", q, 5, session_ids=["s2"], mode=mode) == []  # type: ignore[arg-type]
     assert await store.vec_search("carol", q, 5, mode=mode) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["exact", "quantized"])
+async def test_vec_search_excludes_sessions_inside_the_knn(
+    store: Store, embedder: HashEmbedder, mode: str
+) -> None:
+    """Excluded sessions take no candidate places, however many are excluded."""
+    by_session: dict[str, list[int]] = {}
+    for s in range(12):
+        by_session[f"s{s}"] = await archive(
+            store,
+            embedder,
+            "alice",
+            f"s{s}",
+            [f"puppy beagle walk number {s} {j}" for j in range(3)],
+        )
+    (q,) = await embedder.embed_queries(["puppy beagle walk"])
+    for skip in (["s0"], [f"s{i}" for i in range(8)], [f"s{i}" for i in range(11)]):
+        hits = await store.vec_search("alice", q, 3, exclude_sessions=skip, mode=mode)  # type: ignore[arg-type]
+        allowed = {i for s, ids in by_session.items() if s not in skip for i in ids}
+        assert len(hits) == 3 and {i for i, _ in hits} <= allowed, skip
+    every = [f"s{i}" for i in range(12)]
+    assert await store.vec_search("alice", q, 3, exclude_sessions=every, mode=mode) == []  # type: ignore[arg-type]
+    some = await store.vec_search(
+        "alice",
+        q,
+        10,
+        session_ids=["s1", "s2"],
+        exclude_sessions=["s1"],
+        mode=mode,  # type: ignore[arg-type]
+    )
+    assert sorted(i for i, _ in some) == by_session["s2"]
 
 
 @pytest.mark.asyncio

@@ -4,8 +4,11 @@ in step with ``turns``."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -103,12 +106,14 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
     assert ("sessions", "parent_id", "CASCADE") in fks
 
 
-def test_fts5_is_external_content_with_the_configured_tokenizer(conn: Connection) -> None:
+def test_fts5_is_contentless_with_the_configured_tokenizer(conn: Connection) -> None:
     (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'turns_fts'").fetchone()
     assert "fts5(" in sql.lower()
-    assert "content = 'turns'" in sql and "content_rowid = 'id'" in sql
+    assert "content = ''" in sql and "contentless_delete = 1" in sql
     assert f"tokenize = '{migrations.FTS_TOKENIZE}'" in sql
-    assert _columns(conn, "turns_fts") == ["content", "speaker"]
+    assert _columns(conn, "turns_fts") == ["body", "ctx", "date"]
+    # no second copy of the text: the index's own tables hold no content table
+    assert "turns_fts_content" not in _objects(conn, "table")
 
 
 def test_vec0_table_is_partitioned_by_user(conn: Connection) -> None:
@@ -166,12 +171,20 @@ def _add_session(
 
 
 def _add_turn(
-    conn: Connection, position: int, content: str, session: str = "s1", user: str = "u1"
+    conn: Connection,
+    position: int,
+    content: str,
+    session: str = "s1",
+    user: str = "u1",
+    *,
+    role: str = "user",
+    speaker: str | None = "Ann",
+    timestamp: float = 0.0,
 ) -> int:
     cur = conn.execute(
         "INSERT INTO turns(session_id, user_id, position, role, speaker, content, timestamp,"
-        " content_hash) VALUES (?, ?, ?, 'user', 'Ann', ?, 0, 'h')",
-        (session, user, position, content),
+        " content_hash) VALUES (?, ?, ?, ?, ?, ?, ?, 'h')",
+        (session, user, position, role, speaker, content, timestamp),
     )
     assert cur.lastrowid is not None
     vec = np.zeros(migrations.EMBED_DIM, dtype=np.float32)
@@ -199,10 +212,11 @@ def test_insert_trigger_indexes_content_and_speaker(conn: Connection) -> None:
     _add_session(conn)
     a = _add_turn(conn, 0, "We hiked the mountains")
     b = _add_turn(conn, 1, "Pottery class on Tuesday")
-    assert _fts(conn, '"hiking"') == [a]  # porter stemming
-    assert _fts(conn, '"pottery"') == [b]
-    assert _fts(conn, 'speaker : "ann"') == [a, b]
-    # the index agrees with its content table
+    assert _fts(conn, 'body : "hiking"') == [a]  # porter stemming
+    assert _fts(conn, 'body : "pottery"') == [b]
+    assert _fts(conn, '"pottery"') == [a, b]  # b's words are also in a's ctx column
+    assert _fts(conn, 'body : "ann"') == [a, b]
+    # the index is consistent
     conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('integrity-check', 1)")
 
 
@@ -252,6 +266,179 @@ def test_cascade_from_user(conn: Connection) -> None:
     conn.execute("DELETE FROM users WHERE id = 'u1'")
     assert [r[0] for r in conn.execute("SELECT id FROM turns")] == [theirs]
     assert _vec_ids(conn) == [theirs]
+
+
+def _integrity_check(conn: Connection) -> None:
+    conn.execute("INSERT INTO turns_fts(turns_fts) VALUES ('integrity-check')")
+
+
+def test_delete_removes_the_fts_row(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "unique aardvark")
+    _add_turn(conn, 1, "something else")
+    assert _fts(conn, "body : aardvark") == [a]
+    conn.execute("DELETE FROM turns WHERE id = ?", (a,))
+    assert _fts(conn, "aardvark") == []
+    assert _fts(conn, "ctx : aardvark") == []  # nor is it anyone's neighbour any more
+    (rows,) = conn.execute("SELECT count(*) FROM turns_fts_docsize").fetchone()
+    assert rows == 1
+    _integrity_check(conn)
+
+
+def test_ctx_holds_two_neighbours_each_side(conn: Connection) -> None:
+    _add_session(conn)
+    _add_session(conn, "s2")
+    ids = [_add_turn(conn, p, f"word{p}") for p in range(6)]
+    _add_turn(conn, 6, "word3", "s2")  # another session: never a neighbour
+    assert _fts(conn, "ctx : word3") == [ids[1], ids[2], ids[4], ids[5]]
+    assert _fts(conn, "ctx : word0") == [ids[1], ids[2]]
+    assert _fts(conn, "body : word3") == [ids[3], 7]
+    _integrity_check(conn)
+
+
+def test_ctx_of_neighbours_follows_inserts_and_deletes(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "alpha")
+    b = _add_turn(conn, 1, "bravo")
+    d = _add_turn(conn, 4, "delta")
+    e = _add_turn(conn, 5, "echo")
+    assert _fts(conn, "ctx : delta") == [a, b, e]  # positions may have gaps
+    c = _add_turn(conn, 2, "charlie")  # lands between b and d: a, b, d, e see it
+    assert _fts(conn, "ctx : charlie") == sorted([a, b, d, e])
+    assert _fts(conn, "ctx : delta") == sorted([b, c, e])  # a's window moved on to b, c
+    assert _fts(conn, "ctx : alpha") == [b, c]
+    conn.execute("DELETE FROM turns WHERE id = ?", (c,))
+    assert _fts(conn, "ctx : charlie") == []
+    assert _fts(conn, "ctx : delta") == [a, b, e]
+    assert _fts(conn, "ctx : alpha") == [b, d]
+    _integrity_check(conn)
+
+
+def test_system_turns_are_nobodys_neighbour(conn: Connection) -> None:
+    _add_session(conn)
+    sys_id = _add_turn(conn, 0, "you are helpful", role="system", speaker=None)
+    a = _add_turn(conn, 1, "hello")
+    b = _add_turn(conn, 2, "there")
+    assert _fts(conn, "ctx : helpful") == []
+    assert _fts(conn, "body : system") == [sys_id]  # the role stands in for a speaker
+    assert _fts(conn, "ctx : hello") == [b]  # a system turn has no ctx either
+    assert _fts(conn, "ctx : there") == [a]
+    _integrity_check(conn)
+
+
+def test_update_rewrites_the_turn_and_its_neighbours(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "first")
+    b = _add_turn(conn, 1, "second")
+    conn.execute("UPDATE turns SET content = 'changed', speaker = 'Bob' WHERE id = ?", (b,))
+    assert _fts(conn, "ctx : second") == []
+    assert _fts(conn, "ctx : changed") == [a]
+    assert _fts(conn, "body : bob") == [b]
+    _integrity_check(conn)
+
+
+def test_date_column_names_the_utc_day(conn: Connection) -> None:
+    _add_session(conn)
+    a = _add_turn(conn, 0, "x", timestamp=1683556560.0)  # 2023-05-08 14:36 UTC, a Monday
+    b = _add_turn(conn, 1, "y", timestamp=1704067199.0)  # 2023-12-31 23:59:59 UTC, a Sunday
+    assert _fts(conn, 'date : "monday 8 may 2023"') == [a]
+    assert _fts(conn, 'date : "sunday 31 december 2023"') == [b]
+    assert _fts(conn, "date : 2023") == [a, b]
+
+
+def _expected_index(conn: Connection) -> dict[tuple[int, str], list[str]]:
+    """What turns_fts should hold, computed here in Python and tokenized by a plain FTS5 table."""
+    rows = conn.execute(
+        "SELECT id, session_id, position, role, speaker, content, timestamp FROM turns"
+    ).fetchall()
+
+    def body(r: tuple[Any, ...]) -> str:
+        return f"{r[4] or r[3]}: {r[5]}"
+
+    by_session: dict[str, list[tuple[Any, ...]]] = {}
+    for r in sorted(rows, key=lambda r: r[2]):
+        if r[3] != "system":
+            by_session.setdefault(r[1], []).append(r)
+    conn.execute(
+        "CREATE VIRTUAL TABLE temp.ref USING fts5(body, ctx, date,"
+        f" tokenize = '{migrations.FTS_TOKENIZE}')"
+    )
+    for r in rows:
+        ctx = ""
+        if r[3] != "system":
+            ordered = by_session[r[1]]
+            i = ordered.index(r)
+            window = (
+                ordered[max(0, i - migrations.CTX_TURNS) : i]
+                + ordered[i + 1 : i + 1 + migrations.CTX_TURNS]
+            )
+            ctx = "\n".join(body(n)[: migrations.CTX_CHARS] for n in window)
+        day = datetime.fromtimestamp(r[6], UTC)
+        date = f"{day:%A} {day.day} {day:%B %Y}"
+        conn.execute(
+            "INSERT INTO temp.ref(rowid, body, ctx, date) VALUES (?, ?, ?, ?)",
+            (r[0], body(r), ctx, date),
+        )
+    out = _index_terms(conn, "temp", "ref")
+    conn.execute("DROP TABLE temp.ref")
+    return out
+
+
+def _index_terms(conn: Connection, schema: str, table: str) -> dict[tuple[int, str], list[str]]:
+    conn.execute(f"CREATE VIRTUAL TABLE temp.vocab USING fts5vocab({schema}, {table}, instance)")
+    out: dict[tuple[int, str], list[str]] = {}
+    for term, doc, col, _ in conn.execute("SELECT * FROM temp.vocab"):
+        out.setdefault((doc, col), []).append(term)
+    conn.execute("DROP TABLE temp.vocab")
+    return {key: sorted(terms) for key, terms in out.items()}
+
+
+def test_index_matches_a_rebuild_after_random_edits(conn: Connection) -> None:
+    rng = random.Random(7)
+    words = ["apple", "bread", "cider", "dough", "eagle", "fable", "grape", "honey", "igloo"]
+    for s in ("s1", "s2", "s3"):
+        _add_session(conn, s)
+    free = {s: list(range(12)) for s in ("s1", "s2", "s3")}
+    for s in free:
+        rng.shuffle(free[s])
+    for step in range(60):
+        op = rng.random()
+        ids = [r[0] for r in conn.execute("SELECT id FROM turns")]
+        if op < 0.6 or not ids:
+            s = rng.choice([s for s in free if free[s]] or ["s1"])
+            if not free[s]:
+                continue
+            _add_turn(
+                conn,
+                free[s].pop(),
+                " ".join(rng.sample(words, 3)),
+                s,
+                role=rng.choice(["user", "assistant", "system", "tool"]),
+                speaker=rng.choice(["Ann", "Bob", None, ""]),
+                timestamp=1.6e9 + rng.randrange(10**8),
+            )
+        elif op < 0.8:
+            victim = rng.choice(ids)
+            s, pos = conn.execute(
+                "SELECT session_id, position FROM turns WHERE id = ?", (victim,)
+            ).fetchone()
+            conn.execute("DELETE FROM turns WHERE id = ?", (victim,))
+            free[s].append(pos)
+        else:
+            conn.execute(
+                "UPDATE turns SET content = ?, role = ? WHERE id = ?",
+                (" ".join(rng.sample(words, 2)), rng.choice(["user", "system"]), rng.choice(ids)),
+            )
+        if step % 10 == 9:
+            assert _index_terms(conn, "main", "turns_fts") == _expected_index(conn)
+            _integrity_check(conn)
+    conn.execute("DELETE FROM sessions WHERE id = 's2'")
+    assert _index_terms(conn, "main", "turns_fts") == _expected_index(conn)
+    conn.execute("DELETE FROM users")
+    assert _index_terms(conn, "main", "turns_fts") == {}
+    (rows,) = conn.execute("SELECT count(*) FROM turns_fts_docsize").fetchone()
+    assert rows == 0
+    _integrity_check(conn)
 
 
 def test_tool_calls_are_json_text(conn: Connection) -> None:

@@ -2,7 +2,8 @@
 
 :func:`connect` is the only way the project opens its database. The driver is the first of
 stdlib ``sqlite3`` (only when it can load extensions — many CPython builds, macOS system Python
-among them, cannot), ``sqlean`` (sqlean-py) and ``pysqlite3`` that can load sqlite-vec. All three
+among them, cannot), ``sqlean`` (sqlean-py) and ``pysqlite3`` that can load sqlite-vec and whose
+SQLite has FTS5 with ``contentless_delete`` (3.43 or newer; ``turns_fts`` needs it). All three
 speak DB-API 2 like ``sqlite3`` but raise their own exception classes: catch
 ``driver().Error`` / ``driver().OperationalError``, never ``sqlite3.Error``.
 
@@ -90,6 +91,10 @@ def _try_driver(name: str) -> Driver | None:
         try:
             _load_vec(conn)
             conn.execute("SELECT vec_version()").fetchone()
+            conn.execute(
+                "CREATE VIRTUAL TABLE temp.engram_probe"
+                " USING fts5(x, content = '', contentless_delete = 1)"
+            )
         finally:
             conn.close()
     except Exception:  # any failure to load means "not this driver"
@@ -99,13 +104,15 @@ def _try_driver(name: str) -> Driver | None:
 
 @functools.cache
 def driver() -> Driver:
-    """The first driver in :data:`DRIVER_ORDER` that loads sqlite-vec (probed once)."""
+    """The first driver in :data:`DRIVER_ORDER` that loads sqlite-vec and has FTS5 with
+    ``contentless_delete`` (probed once)."""
     for name in DRIVER_ORDER:
         found = _try_driver(name)
         if found is not None:
             return found
     raise DriverUnavailable(
-        "no SQLite driver here can load extensions: install sqlean-py "
+        "no SQLite driver here can load extensions and has FTS5 (SQLite 3.43 or newer): "
+        "install sqlean-py "
         "(pip install sqlean.py) or pysqlite3-binary"
     )
 

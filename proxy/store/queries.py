@@ -346,6 +346,22 @@ def count_user_turns(conn: Connection, user_id: str) -> int:
     return int(n)
 
 
+def session_turn_counts(conn: Connection, user_id: str) -> dict[str, int]:
+    """Turns per session of one user namespace (sessions without turns are left out)."""
+    rows = conn.execute(
+        "SELECT session_id, count(*) FROM turns WHERE user_id = ? GROUP BY session_id", (user_id,)
+    )
+    return {r[0]: int(r[1]) for r in rows}
+
+
+def next_position(conn: Connection, session_id: str) -> int:
+    """The position after the session's last turn (0 for an empty session)."""
+    (last,) = conn.execute(
+        "SELECT max(position) FROM turns WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return 0 if last is None else int(last) + 1
+
+
 def session_turn_hashes(conn: Connection, session_id: str) -> list[str]:
     rows = conn.execute(
         "SELECT content_hash FROM turns WHERE session_id = ? ORDER BY position", (session_id,)

@@ -2,7 +2,12 @@
 
 Both return ``(turn id, score)`` best first and are confined to ``user_id``. With
 ``session_ids=None`` they cover the user's sessions whose ``indexed`` flag is set; with a list,
-exactly those sessions. Excluded ids never come back.
+exactly those sessions. Turns of ``exclude_sessions`` and ``exclude_ids`` never come back, and
+take no candidate places: the filters run inside the queries (for the vector KNN up to
+``VEC_EXCLUDE_IN_KNN`` sessions inside vec0's KNN, more by asking it for that many more rows).
+
+FTS5 ranks by ``bm25(turns_fts, *FTS_WEIGHTS)`` over the columns ``body`` (the turn), ``ctx``
+(its neighbours in the session) and ``date`` (see :mod:`proxy.store.migrations`).
 
 Vector search has two plans over the same ``turn_vec`` partition:
 
@@ -37,6 +42,13 @@ QUANTIZED_ABOVE = 20_000
 QUANTIZED_OVERSAMPLE = 10
 """The bit-vector KNN fetches this many candidates per result wanted (at least 100)."""
 VEC_MAX_K = 4096  # sqlite-vec's limit on k
+VEC_EXCLUDE_IN_KNN = 8
+"""Excluded sessions filtered inside vec0's KNN (``session_id != ?`` each); sqlite-vec 0.1.9
+plans a KNN with at most 16 constraints."""
+
+FTS_WEIGHTS: tuple[float, float, float] = (1.0, 0.3, 1.0)
+"""bm25 weights of ``turns_fts``'s columns ``body``, ``ctx``, ``date``. Measured on LoCoMo
+(scripts/bench_locomo.py): a neighbour's words count for less than the turn's own."""
 
 
 def fts_search(
@@ -47,20 +59,24 @@ def fts_search(
     *,
     session_ids: Sequence[str] | None,
     exclude_ids: Iterable[int],
-    speaker_weight: float,
+    exclude_sessions: Sequence[str] = (),
+    weights: Sequence[float] = FTS_WEIGHTS,
 ) -> list[tuple[int, float]]:
     """(turn id, bm25) best first; bm25 is FTS5's (lower is better, usually negative).
 
     ``match`` must be a safe FTS5 expression (see :mod:`proxy.fts_query`). With
-    ``session_ids=None`` the user's indexed sessions are searched, else exactly those sessions.
+    ``session_ids=None`` the user's indexed sessions are searched, else exactly those sessions;
+    turns of ``exclude_sessions`` are left out either way. ``weights``: one per column.
     """
     if limit <= 0:
         return []
+    if len(weights) != len(FTS_WEIGHTS):
+        raise ValueError(f"weights needs {len(FTS_WEIGHTS)} values (body, ctx, date)")
     sql = (
-        "SELECT turns_fts.rowid, bm25(turns_fts, 1.0, ?) AS score"
+        "SELECT turns_fts.rowid, bm25(turns_fts, ?, ?, ?) AS score"
         " FROM turns_fts JOIN turns t ON t.id = turns_fts.rowid"
     )
-    args: list[Any] = [speaker_weight]
+    args: list[Any] = [float(w) for w in weights]
     if session_ids is None:
         sql += " JOIN sessions s ON s.id = t.session_id"
     sql += " WHERE turns_fts MATCH ? AND t.user_id = ?"
@@ -70,6 +86,9 @@ def fts_search(
     else:
         sql += " AND t.session_id IN (SELECT value FROM json_each(?))"
         args.append(json_list(session_ids))
+    if exclude_sessions:
+        sql += " AND t.session_id NOT IN (SELECT value FROM json_each(?))"
+        args.append(json_list(exclude_sessions))
     excluded = list(exclude_ids)
     if excluded:
         sql += " AND turns_fts.rowid NOT IN (SELECT value FROM json_each(?))"
@@ -88,17 +107,27 @@ def vec_search(
     session_ids: Sequence[str] | None,
     exclude_ids: Iterable[int],
     quantized: bool,
+    exclude_sessions: Sequence[str] = (),
 ) -> list[tuple[int, float]]:
     """(turn id, cosine distance) nearest first, within one user's partition.
 
     ``quantized``: rank by Hamming distance of the sign bits, then re-score
-    ``QUANTIZED_OVERSAMPLE`` times as many candidates by exact cosine distance.
+    ``QUANTIZED_OVERSAMPLE`` times as many candidates by exact cosine distance. Turns of
+    ``exclude_sessions`` are left out.
     """
     if limit <= 0:
         return []
     query = to_blob(check_vector(vec))
     excluded = set(exclude_ids)
-    want = min(VEC_MAX_K, limit + len(excluded))
+    skip_sessions = list(dict.fromkeys(exclude_sessions))
+    in_knn, after_knn = skip_sessions[:VEC_EXCLUDE_IN_KNN], skip_sessions[VEC_EXCLUDE_IN_KNN:]
+    want = limit + len(excluded)
+    if after_knn:  # filtered after the KNN: ask for as many more rows as they could take
+        want += conn.execute(
+            "SELECT count(*) FROM turns WHERE session_id IN (SELECT value FROM json_each(?))",
+            (json_list(after_knn),),
+        ).fetchone()[0]
+    want = min(VEC_MAX_K, want)
     where = " AND user_id = ?"
     extra: list[Any] = [user_id]
     if session_ids is None:
@@ -106,6 +135,12 @@ def vec_search(
     else:
         where += " AND session_id IN (SELECT value FROM json_each(?))"
         extra.append(json_list(session_ids))
+    for session_id in in_knn:
+        where += " AND session_id != ?"
+        extra.append(session_id)
+    if after_knn:
+        where += " AND session_id NOT IN (SELECT value FROM json_each(?))"
+        extra.append(json_list(after_knn))
     if not quantized:
         rows = conn.execute(
             "SELECT turn_id, distance FROM turn_vec WHERE embedding MATCH ? AND k = ?"

@@ -10,7 +10,7 @@ cancelled, so a client that goes away never loses half of an archive step.
 Public surface (all ``async`` except the constructor)::
 
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
-          speaker_weight=0.5)
+          fts_weights=FTS_WEIGHTS)         bm25 weights of turns_fts (body, ctx, date)
     open() / close()  (or ``async with Store(...) as store``)
     read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (for the
                                 modules that bring their own tables: summaries, slots, facts…)
@@ -30,18 +30,21 @@ Public surface (all ``async`` except the constructor)::
     set_vectors([(turn_id, vector, embed_hash)]) -> int; turns_without_vectors(user_id, limit)
     vectors_by_embed_hash(hashes) -> dict[str, Vector]   reuse: texts embedded before
     count_turns(session_id) -> int; session_turn_hashes(session_id) -> list[str]
+    session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int
     session_turns(session_id, from_position=0, limit=None) -> list[Turn]
     get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
-    fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=()) -> [(id, bm25)]
-    vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(), mode=None)
-        -> [(id, cosine distance)]
+    fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
+               exclude_sessions=()) -> [(id, bm25)]
+    vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
+               exclude_sessions=(), mode=None) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
     stats() -> StoreStats
     ensure_embedding_model(name) -> bool     False when turn_vec holds another model's vectors
 
 Search scope: with ``session_ids=None`` a search covers the user's sessions whose ``indexed``
 flag is set (sub-agent sessions are created unindexed); with a list, exactly those sessions.
-Everything is always confined to ``user_id``.
+``exclude_sessions`` leaves sessions out (e.g. the conversation being answered) inside the SQL,
+so they take no candidate places. Everything is always confined to ``user_id``.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from proxy.store import queries, search
 from proxy.store.db import Connection, connect
 from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
-from proxy.store.search import QUANTIZED_ABOVE, VecMode
+from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
 from proxy.vectors import Vector
 
 T = TypeVar("T")
@@ -81,7 +84,7 @@ class Store:
         readers: int = 2,
         vec_mode: VecMode = "auto",
         quantized_above: int = QUANTIZED_ABOVE,
-        speaker_weight: float = 0.5,
+        fts_weights: Sequence[float] = FTS_WEIGHTS,
     ) -> None:
         if str(path) == ":memory:":
             raise ValueError("the store needs a file: readers and writer use separate connections")
@@ -89,7 +92,9 @@ class Store:
         self._readers = max(1, readers)
         self._vec_mode: VecMode = vec_mode
         self._quantized_above = quantized_above
-        self._speaker_weight = speaker_weight
+        if len(fts_weights) != len(FTS_WEIGHTS):
+            raise ValueError(f"fts_weights needs {len(FTS_WEIGHTS)} values (body, ctx, date)")
+        self._fts_weights = tuple(float(w) for w in fts_weights)
         self._writer: ThreadPoolExecutor | None = None
         self._reader_pool: ThreadPoolExecutor | None = None
         self._write_conn: Connection | None = None
@@ -307,6 +312,12 @@ class Store:
     async def count_turns(self, session_id: str) -> int:
         return await self.read(lambda c: queries.count_turns(c, session_id))
 
+    async def session_turn_counts(self, user_id: str) -> dict[str, int]:
+        return await self.read(lambda c: queries.session_turn_counts(c, user_id))
+
+    async def next_position(self, session_id: str) -> int:
+        return await self.read(lambda c: queries.next_position(c, session_id))
+
     async def session_turn_hashes(self, session_id: str) -> list[str]:
         return await self.read(lambda c: queries.session_turn_hashes(c, session_id))
 
@@ -330,10 +341,12 @@ class Store:
         *,
         session_ids: Sequence[str] | None = None,
         exclude_ids: Iterable[int] = (),
+        exclude_sessions: Sequence[str] = (),
     ) -> list[tuple[int, float]]:
         """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.fts_query`."""
         sessions = list(session_ids) if session_ids is not None else None
         excluded = list(exclude_ids)
+        skip = list(exclude_sessions)
         return await self.read(
             lambda c: search.fts_search(
                 c,
@@ -342,7 +355,8 @@ class Store:
                 limit,
                 session_ids=sessions,
                 exclude_ids=excluded,
-                speaker_weight=self._speaker_weight,
+                exclude_sessions=skip,
+                weights=self._fts_weights,
             )
         )
 
@@ -354,11 +368,13 @@ class Store:
         *,
         session_ids: Sequence[str] | None = None,
         exclude_ids: Iterable[int] = (),
+        exclude_sessions: Sequence[str] = (),
         mode: VecMode | None = None,
     ) -> list[tuple[int, float]]:
         """(turn id, cosine distance) nearest first, over the user's partition only."""
         sessions = list(session_ids) if session_ids is not None else None
         excluded = list(exclude_ids)
+        skip = list(exclude_sessions)
         mode = mode or self._vec_mode
 
         def job(c: Connection) -> list[tuple[int, float]]:
@@ -373,6 +389,7 @@ class Store:
                 session_ids=sessions,
                 exclude_ids=excluded,
                 quantized=quantized,
+                exclude_sessions=skip,
             )
 
         return await self.read(job)
