@@ -7,6 +7,7 @@ method and path passed through to the upstream untouched.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,7 @@ from proxy.pipeline import ChatPipeline
 from proxy.retrieval import Retriever
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
+from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect, forward_headers
 
 log = logging.getLogger("engram.app")
@@ -127,7 +129,8 @@ async def _open_memory(
         await embedder.aclose()
         embedder = None
     retriever = Retriever(store, embedder, settings.retrieval)
-    service = MemoryService(settings, store, embedder, retriever, tasks)
+    tokens = TokenCounter(await asyncio.to_thread(load_encoder))
+    service = MemoryService(settings, store, embedder, retriever, tasks, tokens)
     app[STORE] = store
     app[RETRIEVER] = retriever
     app[MEMORY] = service

@@ -44,6 +44,7 @@ from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session, Turn, index_text, text_hash
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
+from proxy.tokens import TokenCounter
 
 log = logging.getLogger("engram.memory")
 
@@ -73,6 +74,7 @@ class MemoryTurn:
     messages: list[dict[str, Any]]  # as the client sent them (what is archived)
     chains: list[str]
     forward: list[dict[str, Any]] | None = None  # what to forward instead, when changed
+    model: str | None = None
     placement: Placement | None = None
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
@@ -229,12 +231,14 @@ class MemoryService:
         embedder: Embedder | None,
         retriever: Retriever,
         tasks: BackgroundTasks,
+        tokens: TokenCounter | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.embedder = embedder
         self.retriever = retriever
         self.tasks = tasks
+        self.tokens = tokens or TokenCounter()
         extra = settings.memory.housekeeping_patterns
         self._housekeeping = (
             re.compile("|".join(f"(?:{p})" for p in extra), re.I) if extra else None
@@ -250,6 +254,7 @@ class MemoryService:
         messages: list[dict[str, Any]] = body["messages"]
         ident = identify(headers, body)
         mt = MemoryTurn(ident, messages, chain_hashes(messages))
+        mt.model = body.get("model") if isinstance(body.get("model"), str) else None
         if is_housekeeping(messages, self._housekeeping):
             mt.skipped = "housekeeping"
             return mt
@@ -302,7 +307,12 @@ class MemoryService:
             )
             for h in hits
         ]
-        block, used = memory_block(memories, s.budget_tokens, approx_tokens)
+        model = mt.model
+
+        def count(text: str) -> int:
+            return self.tokens.count(text, model)
+
+        block, used = memory_block(memories, s.budget_tokens, count)
         if used:
             mt.forward = inject(mt.messages, block)
             mt.injected = [m.id for m in used]

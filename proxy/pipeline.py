@@ -139,7 +139,7 @@ class ChatPipeline:
         self.reply_hooks: list[ReplyHook] = []
         self.counts: Counter[str] = Counter()  # for /engram/metrics
         if memory is not None:
-            self.reply_hooks.append(self._archive_reply)
+            self.reply_hooks += [self._archive_reply, self._learn_tokens]
         self.keep_cors = bool(settings.server.cors_origins)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -231,6 +231,19 @@ class ChatPipeline:
         if mt.forward is not None:
             turn.body = {**turn.body, "messages": mt.forward}
             turn.messages_changed = True
+
+    async def _learn_tokens(self, turn: ChatTurn) -> None:
+        """Calibrate token counts for this model from what the upstream reported."""
+        assert self.memory is not None
+        usage = turn.reply.usage if turn.reply else None
+        reported = usage.get("prompt_tokens") if usage else None
+        messages = turn.body.get("messages")
+        if turn.status != 200 or not isinstance(reported, int) or not isinstance(messages, list):
+            return
+        tokens = self.memory.tokens
+        estimated = await asyncio.to_thread(tokens.messages, messages)
+        model = turn.body.get("model")
+        tokens.learn(model if isinstance(model, str) else None, estimated, reported)
 
     async def _archive_reply(self, turn: ChatTurn) -> None:
         if self.memory is None or turn.memory is None or turn.reply is None:

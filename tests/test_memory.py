@@ -322,3 +322,13 @@ async def test_injected_block_is_never_archived(
     await settle(real)
     for t in await all_turns(real, "c"):
         assert BLOCK_OPEN not in t.content
+
+
+async def test_token_counts_calibrated_from_upstream_usage(
+    engram: Engram, http: aiohttp.ClientSession
+) -> None:
+    tokens = engram.app[MEMORY].tokens
+    assert tokens.ratio("m") is None
+    await chat(http, engram, [SYSTEM, {"role": "user", "content": "count my tokens " * 40}])
+    await settle(engram)
+    assert tokens.ratio("m") is not None

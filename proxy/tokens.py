@@ -1,0 +1,117 @@
+"""Token counting for budgets: tiktoken's cl100k_base, loaded offline, corrected per model.
+
+tiktoken downloads its BPE files on first use; here they come from the ``bpe-openai`` package
+(byte-identical once gunzipped), written once into a cache folder that ``TIKTOKEN_CACHE_DIR``
+points at, so tiktoken checks them against its own known hashes. An OpenAI tokenizer only
+estimates what a llama.cpp or Ollama model counts, so :class:`TokenCounter` keeps a per-model
+correction factor learned from what the upstream reports (``usage.prompt_tokens``).
+If tiktoken cannot load at all, a characters-per-token estimate stands in.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("engram.tokens")
+
+_ENCODING = "cl100k_base"
+_URL = f"https://openaipublic.blob.core.windows.net/encodings/{_ENCODING}.tiktoken"
+# Per message: role and the template's delimiters (OpenAI documents 3-4 for its chat format).
+MESSAGE_OVERHEAD = 4
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "engram" / "tiktoken"
+
+
+def _install_bpe_file(cache: Path) -> None:
+    """Put cl100k_base where tiktoken looks for it (file named by the sha1 of its URL)."""
+    target = cache / hashlib.sha1(_URL.encode()).hexdigest()
+    if target.exists():
+        return
+    spec = importlib.util.find_spec("bpe_openai")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the bpe-openai package (tiktoken's files, offline) is not installed")
+    source = Path(next(iter(spec.submodule_search_locations))) / "data" / f"{_ENCODING}.tiktoken.gz"
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(gzip.decompress(source.read_bytes()))
+    tmp.replace(target)
+
+
+def load_encoder() -> Callable[[str], int] | None:
+    """A function counting cl100k_base tokens, or None if tiktoken is unavailable."""
+    try:
+        cache = Path(os.environ.get("TIKTOKEN_CACHE_DIR") or _cache_dir())
+        _install_bpe_file(cache)
+        os.environ["TIKTOKEN_CACHE_DIR"] = str(cache)
+        import tiktoken
+
+        enc = tiktoken.get_encoding(_ENCODING)
+    except Exception as exc:  # budgets fall back to an estimate; nothing else depends on it
+        log.warning("tiktoken unavailable (%s); estimating 4 characters per token", exc)
+        return None
+
+    def count(text: str) -> int:
+        return len(enc.encode(text, disallowed_special=()))
+
+    return count
+
+
+def estimate(text: str) -> int:
+    return (len(text) + 3) // 4
+
+
+class TokenCounter:
+    """Counts tokens as the upstream model would, as nearly as can be known without it."""
+
+    def __init__(self, encoder: Callable[[str], int] | None = None) -> None:
+        self._count = encoder or estimate
+        self._ratio: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def count(self, text: str, model: str | None = None) -> int:
+        """Tokens of ``text`` for ``model`` (corrected by what that model reported before)."""
+        n = self._count(text)
+        ratio = self._ratio.get(model or "")
+        return round(n * ratio) if ratio else n
+
+    def raw(self, text: str) -> int:
+        """Uncorrected tiktoken count (what corrections are learned against)."""
+        return self._count(text)
+
+    def learn(self, model: str | None, estimated: int, reported: int) -> None:
+        """Fold in an upstream report: ``reported`` prompt tokens where we counted
+        ``estimated``. A moving average, so one odd request does not swing budgets."""
+        if estimated <= 0 or reported <= 0:
+            return
+        sample = min(4.0, max(0.25, reported / estimated))
+        key = model or ""
+        with self._lock:
+            old = self._ratio.get(key)
+            self._ratio[key] = sample if old is None else 0.8 * old + 0.2 * sample
+
+    def ratio(self, model: str | None) -> float | None:
+        return self._ratio.get(model or "")
+
+    def messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        """Uncorrected tokens of a chat prompt: every message's text plus its overhead."""
+        from proxy.identity import content_text  # a pure module; imported here to stay light
+
+        total = 0
+        for msg in messages:
+            total += self._count(content_text(msg.get("content"))) + MESSAGE_OVERHEAD
+            calls = msg.get("tool_calls")
+            if isinstance(calls, list):
+                total += self._count(json.dumps(calls, ensure_ascii=False))
+        return total

@@ -1,0 +1,46 @@
+"""Token counting: tiktoken loaded offline, per-model correction from upstream reports."""
+
+from __future__ import annotations
+
+from proxy.tokens import TokenCounter, estimate, load_encoder
+
+
+def test_tiktoken_loads_offline_and_counts() -> None:
+    enc = load_encoder()
+    assert enc is not None
+    assert enc("hello world") == 2
+    assert enc("<|endoftext|>") > 1  # special tokens are counted as text, never refused
+
+
+def test_correction_learned_from_reports() -> None:
+    c = TokenCounter(load_encoder())
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    raw = c.count(text, "llama")
+    c.learn("llama", 100, 150)
+    assert c.count(text, "llama") == round(raw * 1.5)
+    assert c.count(text, "other") == raw  # per model
+    c.learn("llama", 100, 100)
+    assert c.ratio("llama") == 0.8 * 1.5 + 0.2 * 1.0  # a moving average
+    c.learn("llama", 0, 100)  # nonsense reports are ignored
+    assert c.ratio("llama") == 0.8 * 1.5 + 0.2 * 1.0
+
+
+def test_messages_count_includes_overhead_and_tool_calls() -> None:
+    c = TokenCounter(load_encoder())
+    plain = c.messages([{"role": "user", "content": "hi"}])
+    with_call = c.messages(
+        [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            }
+        ]
+    )
+    assert plain >= 5 and with_call > plain
+
+
+def test_estimate_without_tiktoken() -> None:
+    assert TokenCounter().count("abcdefgh") == estimate("abcdefgh") == 2
