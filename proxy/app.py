@@ -87,7 +87,9 @@ def _resources(
         tasks = BackgroundTasks()
         app[UPSTREAM] = upstream
         app[TASKS] = tasks
-        memory = await _open_memory(app, settings, tasks) if settings.memory.enabled else None
+        memory = (
+            await _open_memory(app, settings, tasks, upstream) if settings.memory.enabled else None
+        )
         app[PIPELINE] = ChatPipeline(settings, upstream, tasks, memory)
         if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
             size = await upstream.context_size()
@@ -111,7 +113,7 @@ def _resources(
 
 
 async def _open_memory(
-    app: web.Application, settings: Settings, tasks: BackgroundTasks
+    app: web.Application, settings: Settings, tasks: BackgroundTasks, upstream: Upstream
 ) -> MemoryService:
     path = db_path(settings.memory.db_path)
     store = Store(path)
@@ -130,7 +132,9 @@ async def _open_memory(
         embedder = None
     retriever = Retriever(store, embedder, settings.retrieval)
     tokens = TokenCounter(await asyncio.to_thread(load_encoder))
-    service = MemoryService(settings, store, embedder, retriever, tasks, tokens)
+    service = MemoryService(
+        settings, store, embedder, retriever, tasks, tokens, context_size=upstream.context_size
+    )
     app[STORE] = store
     app[RETRIEVER] = retriever
     app[MEMORY] = service

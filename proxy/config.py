@@ -177,6 +177,32 @@ class RetrievalSettings:
 
 
 @dataclass(frozen=True)
+class PromptSettings:
+    """[prompt] — how the forwarded prompt is assembled under the context budget."""
+
+    mode: str = opt(
+        "zones",
+        "zones: memories right after the system prompt (primacy), summary and recent "
+        "turns at the end (recency). stable: memories lead the new user message instead, so the "
+        "prompt stays byte-identical turn to turn and llama.cpp reuses its KV cache.",
+        choices=("zones", "stable"),
+    )
+    whole_share: float = opt(
+        0.8,
+        "Forward the whole conversation while it fits in this share of the budget; "
+        "rewriting starts only when it pays.",
+        min=0.05,
+        max=1,
+    )
+    reply_reserve: int = opt(
+        1024,
+        "Tokens kept free for the reply when the request sets no max_tokens (at most a "
+        "quarter of the context).",
+        min=16,
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
@@ -185,6 +211,7 @@ class Settings:
     memory: MemorySettings = field(default_factory=MemorySettings)
     embedder: EmbedderSettings = field(default_factory=EmbedderSettings)
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
+    prompt: PromptSettings = field(default_factory=PromptSettings)
 
 
 # --- introspection -----------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,9 @@ from proxy.identity import (
     identify,
     is_housekeeping,
 )
-from proxy.inject import Memory, approx_tokens, inject, memory_block
+from proxy.inject import Memory, approx_tokens, memory_block
 from proxy.logs import event
+from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
 from proxy.retrieval import Retriever
 from proxy.store import queries
@@ -51,6 +53,11 @@ log = logging.getLogger("engram.memory")
 # Roles whose turns are recalled into other conversations; system prompts and tool plumbing
 # are archived (nothing is lost) but never injected.
 RECALLED_ROLES = frozenset({"user", "assistant", "tool", "function", "summary", "fact"})
+# Tokens kept spare beyond the reply's room: chat templates add their own.
+PROMPT_MARGIN = 32
+# Messages whose token counts are remembered (by chain hash) across requests.
+SIZE_CACHE = 50_000
+LAST_REQUESTS = 1000
 # Longest text embedded for a turn (the default model reads 256 tokens anyway).
 EMBED_CHARS = 2000
 
@@ -75,6 +82,7 @@ class MemoryTurn:
     chains: list[str]
     forward: list[dict[str, Any]] | None = None  # what to forward instead, when changed
     model: str | None = None
+    assembly: Assembly | None = None
     placement: Placement | None = None
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
@@ -232,6 +240,7 @@ class MemoryService:
         retriever: Retriever,
         tasks: BackgroundTasks,
         tokens: TokenCounter | None = None,
+        context_size: Callable[[str | None], Awaitable[int | None]] | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -239,6 +248,10 @@ class MemoryService:
         self.retriever = retriever
         self.tasks = tasks
         self.tokens = tokens or TokenCounter()
+        self.context_size = context_size
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
+        # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
+        self.last_requests: OrderedDict[str, tuple[float, Assembly]] = OrderedDict()
         extra = settings.memory.housekeeping_patterns
         self._housekeeping = (
             re.compile("|".join(f"(?:{p})" for p in extra), re.I) if extra else None
@@ -268,34 +281,135 @@ class MemoryService:
             mt.archive_task = self.tasks.spawn(
                 self._archive_request(mt, now), name="archive-request"
             )
-        if mode in ("on", "read-only"):
-            await self._recall(mt)
+        await self._compose(mt, body, recall=mode in ("on", "read-only"))
         return mt
 
-    async def _recall(self, mt: MemoryTurn) -> None:
+    async def _budget(self, body: Mapping[str, Any], model: str | None) -> int | None:
+        """Prompt tokens available: the context size minus the room kept for the reply."""
+        if self.context_size is None:
+            return None
+        try:
+            ctx = await self.context_size(model)
+        except Exception:
+            log.exception("could not learn the upstream's context size")
+            return None
+        if not ctx:
+            return None
+        reserve = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve <= 0:
+            reserve = min(self.settings.prompt.reply_reserve, ctx // 4)
+        return max(0, ctx - reserve - PROMPT_MARGIN)
+
+    async def _message_sizes(self, mt: MemoryTurn) -> dict[int, int]:
+        """Token counts of the client's messages by ``id()``, cached by chain hash across
+        requests (clients resend the history); large uncached batches go to a thread."""
+        missing = [
+            (m, h) for m, h in zip(mt.messages, mt.chains, strict=True) if h not in self._sizes
+        ]
+        if missing:
+
+            def count_all() -> list[int]:
+                return [self.tokens.messages([m]) for m, _ in missing]
+
+            chars = sum(len(content_text(m.get("content"))) for m, _ in missing)
+            counts = await asyncio.to_thread(count_all) if chars > 20_000 else count_all()
+            for (_, h), n in zip(missing, counts, strict=True):
+                self._sizes[h] = n
+            while len(self._sizes) > SIZE_CACHE:
+                self._sizes.popitem(last=False)
+        ratio = self.tokens.ratio(mt.model) or 1.0
+        return {
+            id(m): round(self._sizes[h] * ratio)
+            for m, h in zip(mt.messages, mt.chains, strict=True)
+        }
+
+    async def _compose(self, mt: MemoryTurn, body: Mapping[str, Any], recall: bool) -> None:
+        """Recall memories for what the window does not hold, then assemble the prompt."""
+        s = self.settings
+        budget = await self._budget(body, mt.model)
+        sizes = await self._message_sizes(mt)
+        model = mt.model
+
+        def count_text(text: str) -> int:
+            return self.tokens.count(text, model)
+
+        def count(msg: Message) -> int:
+            n = sizes.get(id(msg))
+            return (
+                n
+                if n is not None
+                else round(self.tokens.messages([msg]) * (self.tokens.ratio(model) or 1.0))
+            )
+
+        mem_room = s.retrieval.budget_tokens if recall else 0
+        draft = assemble(
+            mt.messages,
+            budget=None if budget is None else budget - mem_room,
+            count=count,
+            count_text=count_text,
+            mode=s.prompt.mode,
+            whole_share=s.prompt.whole_share,
+        )
+        memories = await self._recall(mt, draft.window_start) if recall else []
+        final = self._assemble(mt, memories, budget, count, count_text)
+        in_window = _texts(mt.messages[final.window_start :])
+        if any(text_hash(m.content[:EMBED_CHARS]) in in_window for m in memories):
+            memories = [m for m in memories if text_hash(m.content[:EMBED_CHARS]) not in in_window]
+            final = self._assemble(mt, memories, budget, count, count_text)
+        mt.assembly = final
+        if final.messages != mt.messages:
+            mt.forward = final.messages
+        if mt.placement is not None:
+            self.last_requests[mt.placement.session.id] = (time.time(), final)
+            while len(self.last_requests) > LAST_REQUESTS:
+                self.last_requests.popitem(last=False)
+
+    def _assemble(
+        self,
+        mt: MemoryTurn,
+        memories: list[Memory],
+        budget: int | None,
+        count: Callable[[Message], int],
+        count_text: Callable[[str], int],
+    ) -> Assembly:
+        s = self.settings
+        block, used = memory_block(memories, s.retrieval.budget_tokens, count_text)
+        mt.injected = [m.id for m in used]
+        return assemble(
+            mt.messages,
+            budget=budget,
+            count=count,
+            count_text=count_text,
+            memory_block=block,
+            memory_ids=mt.injected,
+            mode=s.prompt.mode,
+            whole_share=s.prompt.whole_share,
+        )
+
+    async def _recall(self, mt: MemoryTurn, window_start: int) -> list[Memory]:
+        """The best memories for the new user message that the forwarded window lacks."""
         s = self.settings.retrieval
         query = _last_user_text(mt.messages)
         if not query or s.top_k <= 0 or s.budget_tokens <= 0:
-            return
-        present = {
-            text_hash(redact(content_text(m.get("content")))[:EMBED_CHARS]) for m in mt.messages
-        }
-        present |= {text_hash(content_text(m.get("content"))[:EMBED_CHARS]) for m in mt.messages}
-        current = mt.placement.session.id if mt.placement else None
+            return []
+        head = (
+            mt.messages[:1]
+            if mt.messages and mt.messages[0].get("role") in ("system", "developer")
+            else []
+        )
+        present = _texts([*head, *mt.messages[window_start:]])
 
         def keep(turn: Turn) -> bool:
             if turn.role not in RECALLED_ROLES or not turn.content.strip():
                 return False
-            if turn.session_id == current:
-                return False  # this conversation is in the request already
             return text_hash(turn.content[:EMBED_CHARS]) not in present
 
         try:
             hits = await self.retriever.search(mt.identity.user, query, s.top_k, keep=keep)
         except Exception:  # memory degrades, the request goes on
             log.exception("retrieval failed; forwarding without memories")
-            return
-        memories = [
+            return []
+        return [
             Memory(
                 h.turn.id,
                 h.turn.role,
@@ -307,15 +421,6 @@ class MemoryService:
             )
             for h in hits
         ]
-        model = mt.model
-
-        def count(text: str) -> int:
-            return self.tokens.count(text, model)
-
-        block, used = memory_block(memories, s.budget_tokens, count)
-        if used:
-            mt.forward = inject(mt.messages, block)
-            mt.injected = [m.id for m in used]
 
     async def _archive_request(self, mt: MemoryTurn, now: float) -> None:
         placement = mt.placement
@@ -378,6 +483,16 @@ class MemoryService:
         ids = await self.store.add_turns(session.id, session.user_id, rows, vectors)
         self.archived_turns += len(ids)
         event(log, logging.DEBUG, "archived", session=session.id, turns=len(ids))
+
+
+def _texts(messages: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Hashes of the messages' texts as archived (redacted) and as sent."""
+    out: set[str] = set()
+    for m in messages:
+        text = content_text(m.get("content"))
+        out.add(text_hash(text[:EMBED_CHARS]))
+        out.add(text_hash(redact(text)[:EMBED_CHARS]))
+    return out
 
 
 def _last_user_text(messages: Sequence[Mapping[str, Any]]) -> str:

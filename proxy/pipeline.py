@@ -228,6 +228,9 @@ class ChatPipeline:
         if mt.placement is not None:
             turn.response_headers["X-Engram-Session"] = mt.placement.session.id
         turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
+        if mt.assembly is not None:
+            a = mt.assembly
+            turn.response_headers["X-Engram-Prompt-Tokens"] = f"{a.tokens}/{a.original_tokens}"
         if mt.forward is not None:
             turn.body = {**turn.body, "messages": mt.forward}
             turn.messages_changed = True
