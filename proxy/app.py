@@ -32,6 +32,7 @@ from proxy.paths import db_path
 from proxy.pipeline import ChatPipeline
 from proxy.retrieval import Retriever
 from proxy.store.store import Store
+from proxy.summarizer import Summarizer
 from proxy.tasks import BackgroundTasks
 from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect, forward_headers
@@ -132,8 +133,16 @@ async def _open_memory(
         embedder = None
     retriever = Retriever(store, embedder, settings.retrieval)
     tokens = TokenCounter(await asyncio.to_thread(load_encoder))
+    summarizer = Summarizer(settings, store, upstream, tokens)
     service = MemoryService(
-        settings, store, embedder, retriever, tasks, tokens, context_size=upstream.context_size
+        settings,
+        store,
+        embedder,
+        retriever,
+        tasks,
+        tokens,
+        context_size=upstream.context_size,
+        summarizer=summarizer,
     )
     app[STORE] = store
     app[RETRIEVER] = retriever

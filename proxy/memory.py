@@ -45,6 +45,7 @@ from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session, Turn, index_text, text_hash
 from proxy.store.store import Store
+from proxy.summarizer import Summarizer, get_summary
 from proxy.tasks import BackgroundTasks
 from proxy.tokens import TokenCounter
 
@@ -83,6 +84,7 @@ class MemoryTurn:
     forward: list[dict[str, Any]] | None = None  # what to forward instead, when changed
     model: str | None = None
     assembly: Assembly | None = None
+    summary: str | None = None
     placement: Placement | None = None
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
@@ -241,6 +243,7 @@ class MemoryService:
         tasks: BackgroundTasks,
         tokens: TokenCounter | None = None,
         context_size: Callable[[str | None], Awaitable[int | None]] | None = None,
+        summarizer: Summarizer | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -249,6 +252,7 @@ class MemoryService:
         self.tasks = tasks
         self.tokens = tokens or TokenCounter()
         self.context_size = context_size
+        self.summarizer = summarizer
         self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: OrderedDict[str, tuple[float, Assembly]] = OrderedDict()
@@ -282,7 +286,25 @@ class MemoryService:
                 self._archive_request(mt, now), name="archive-request"
             )
         await self._compose(mt, body, recall=mode in ("on", "read-only"))
+        a = mt.assembly
+        if write and a is not None and a.rewritten and mt.placement is not None:
+            self._schedule_summary(mt, a.window_start)
         return mt
+
+    def _schedule_summary(self, mt: MemoryTurn, upto: int) -> None:
+        """Fold what aged out of the window into the session's summary, after the archive."""
+        summarizer, placement = self.summarizer, mt.placement
+        if summarizer is None or placement is None:
+            return
+        if not summarizer.wanted(placement.session.id, upto):
+            return
+
+        async def run() -> None:
+            if mt.archive_task is not None:
+                await asyncio.gather(mt.archive_task, return_exceptions=True)
+            await summarizer.update(placement.session.id, upto, mt.model)
+
+        self.tasks.spawn(run(), name="summary")
 
     async def _budget(self, body: Mapping[str, Any], model: str | None) -> int | None:
         """Prompt tokens available: the context size minus the room kept for the reply."""
@@ -341,6 +363,10 @@ class MemoryService:
                 else round(self.tokens.messages([msg]) * (self.tokens.ratio(model) or 1.0))
             )
 
+        if budget is not None and mt.placement is not None and self.summarizer is not None:
+            sid = mt.placement.session.id
+            found = await self.store.read(lambda c: get_summary(c, sid))
+            mt.summary = found.content if found else None
         mem_room = s.retrieval.budget_tokens if recall else 0
         draft = assemble(
             mt.messages,
@@ -349,6 +375,7 @@ class MemoryService:
             count_text=count_text,
             mode=s.prompt.mode,
             whole_share=s.prompt.whole_share,
+            summary=mt.summary,
         )
         memories = await self._recall(mt, draft.window_start) if recall else []
         final = self._assemble(mt, memories, budget, count, count_text)
@@ -357,6 +384,8 @@ class MemoryService:
             memories = [m for m in memories if text_hash(m.content[:EMBED_CHARS]) not in in_window]
             final = self._assemble(mt, memories, budget, count, count_text)
         mt.assembly = final
+        if self.summarizer is not None:
+            self.summarizer.account_prompt(final.tokens)
         if final.messages != mt.messages:
             mt.forward = final.messages
         if mt.placement is not None:
@@ -384,6 +413,7 @@ class MemoryService:
             memory_ids=mt.injected,
             mode=s.prompt.mode,
             whole_share=s.prompt.whole_share,
+            summary=mt.summary,
         )
 
     async def _recall(self, mt: MemoryTurn, window_start: int) -> list[Memory]:

@@ -239,6 +239,8 @@ class ChatPipeline:
         """Calibrate token counts for this model from what the upstream reported."""
         assert self.memory is not None
         usage = turn.reply.usage if turn.reply else None
+        if self.memory.summarizer is not None:
+            self.memory.summarizer.account_reply(usage)
         reported = usage.get("prompt_tokens") if usage else None
         messages = turn.body.get("messages")
         if turn.status != 200 or not isinstance(reported, int) or not isinstance(messages, list):

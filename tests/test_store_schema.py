@@ -59,7 +59,11 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "turns",
         "turns_fts",
         "turn_vec",
+        "summaries",
     } <= tables
+    assert _columns(conn, "summaries") == [
+        "session_id", "content", "upto", "tokens", "model", "updated_at"
+    ]
     assert _columns(conn, "users") == ["id", "created_at"]
     assert _columns(conn, "sessions") == [
         "id",
@@ -144,12 +148,15 @@ def test_failed_migration_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
         c.execute("CREATE TABLE half_done (x)")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, (2, broken)))
+    latest = migrations.latest_version()
+    monkeypatch.setattr(
+        migrations, "MIGRATIONS", (*migrations.MIGRATIONS, (latest + 1, broken))
+    )
     c = db.connect(tmp_path / "m.db")
     try:
         with pytest.raises(RuntimeError, match="boom"):
             migrations.migrate(c)
-        assert migrations.applied_versions(c) == [1]
+        assert migrations.applied_versions(c) == list(range(1, latest + 1))
         assert "half_done" not in _objects(c, "table")
         assert not c.in_transaction
     finally:

@@ -239,9 +239,26 @@ def _m001_initial(conn: Connection) -> None:
     )
 
 
+def _m002_summaries(conn: Connection) -> None:
+    """One rolling summary per session, with the range of turns it covers."""
+    _execute_script(
+        conn,
+        """
+        CREATE TABLE summaries (
+            session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+            content    TEXT NOT NULL,
+            upto       INTEGER NOT NULL,     -- covers the session's turns at positions < upto
+            tokens     INTEGER NOT NULL,
+            model      TEXT,
+            updated_at REAL NOT NULL
+        );
+        """,
+    )
+
+
 Migration = Callable[[Connection], None]
 
-MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _m001_initial),)
+MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _m001_initial), (2, _m002_summaries))
 """(version, function), ascending. Append only."""
 
 
