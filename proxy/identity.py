@@ -19,7 +19,7 @@ from typing import Any
 
 USER_HEADERS = ("X-Engram-User", "X-OpenWebUI-User-Id")
 SESSION_HEADERS = ("X-Engram-Session", "X-OpenWebUI-Chat-Id", "X-Session-Id")
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,200}$")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=~-]{1,200}$")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ message) is forked: the new session stores the turns from the point where they d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import re
@@ -466,7 +467,7 @@ class MemoryService:
             self.settings.memory.redact_secrets,
             now,
         )
-        await self._store_turns(placement.session, rows)
+        await self._store_turns(placement.session, rows, placement.explicit)
 
     async def after_reply(
         self, mt: MemoryTurn, reply_message: dict[str, Any], complete: bool
@@ -490,9 +491,13 @@ class MemoryService:
             time.time(),
             incomplete=not complete,
         )
-        await self._store_turns(placement.session, rows)
+        await self._store_turns(placement.session, rows, placement.explicit)
 
-    async def _store_turns(self, session: Session, rows: list[NewTurn]) -> None:
+    async def _store_turns(
+        self, session: Session, rows: list[NewTurn], explicit: bool = False
+    ) -> None:
+        """Embed and store ``rows``. In a session named by the client, positions are append
+        order, given at write time, so requests in flight together never collide."""
         vectors: list[Any] | None = None
         if self.embedder is not None:
             wanted = [i for i, r in enumerate(rows) if r.content.strip()]
@@ -510,9 +515,24 @@ class MemoryService:
                 self.embed_failures += 1
                 log.exception("embedding failed; archiving without vectors")
                 vectors = None
-        ids = await self.store.add_turns(session.id, session.user_id, rows, vectors)
+        if explicit:
+            ids = await self.store.write(lambda c: _append(c, session, rows, vectors))
+        else:
+            ids = await self.store.add_turns(session.id, session.user_id, rows, vectors)
         self.archived_turns += len(ids)
         event(log, logging.DEBUG, "archived", session=session.id, turns=len(ids))
+
+
+def _append(
+    conn: Connection, session: Session, rows: list[NewTurn], vectors: list[Any] | None
+) -> list[int]:
+    """Append the rows the session does not hold yet, numbered after its last turn."""
+    stored = set(queries.session_turn_hashes(conn, session.id))
+    keep = [i for i, r in enumerate(rows) if r.identity() not in stored]
+    base = _max_position(conn, session.id) + 1
+    fresh = [dataclasses.replace(rows[i], position=base + n) for n, i in enumerate(keep)]
+    vecs = [vectors[i] for i in keep] if vectors is not None else None
+    return queries.add_turns(conn, session.id, session.user_id, fresh, vecs, time.time())
 
 
 def _texts(messages: Sequence[Mapping[str, Any]]) -> set[str]:

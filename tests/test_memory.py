@@ -332,3 +332,45 @@ async def test_token_counts_calibrated_from_upstream_usage(
     await chat(http, engram, [SYSTEM, {"role": "user", "content": "count my tokens " * 40}])
     await settle(engram)
     assert tokens.ratio("m") is not None
+
+
+async def test_parallel_requests_in_one_named_session_lose_nothing(
+    engram: Engram, http: aiohttp.ClientSession
+) -> None:
+    async def one(i: int) -> None:
+        await chat(
+            http,
+            engram,
+            [{"role": "user", "content": f"parallel {i}"}],
+            user="p",
+            headers={"X-Engram-Session": "shared"},
+        )
+
+    await asyncio.gather(*(one(i) for i in range(8)))
+    await settle(engram)
+    turns = await engram.app[STORE].session_turns("shared")
+    assert sorted(t.content for t in turns if t.role == "user") == sorted(
+        f"parallel {i}" for i in range(8)
+    )
+    assert len([t for t in turns if t.role == "assistant"]) >= 1
+    assert len({t.position for t in turns}) == len(turns)
+
+
+async def test_scoped_session_id_can_be_sent_back(
+    engram: Engram, http: aiohttp.ClientSession
+) -> None:
+    await chat(
+        http, engram, [{"role": "user", "content": "a"}], user="o1", headers={"X-Session-Id": "dup"}
+    )
+    _, r = await chat(
+        http, engram, [{"role": "user", "content": "b"}], user="o2", headers={"X-Session-Id": "dup"}
+    )
+    scoped = r.headers["X-Engram-Session"]
+    _, r2 = await chat(
+        http,
+        engram,
+        [{"role": "user", "content": "c"}],
+        user="o2",
+        headers={"X-Engram-Session": scoped},
+    )
+    assert r2.headers["X-Engram-Session"] == scoped

@@ -70,7 +70,7 @@ async def test_sigterm_drains_in_flight_stream() -> None:
     async with FakeUpstream() as fake:
         proc, url = await start_serve("--upstream", fake.url)
         try:
-            fake.enqueue(StreamReply(chat_chunks([f"p{i} " for i in range(10)]), delay=0.1))
+            fake.enqueue(StreamReply(chat_chunks([f"zqxbody{i} " for i in range(10)]), delay=0.1))
             async with (
                 aiohttp.ClientSession() as http,
                 http.post(
@@ -82,7 +82,7 @@ async def test_sigterm_drains_in_flight_stream() -> None:
                 proc.send_signal(signal.SIGTERM)
                 rest = await r.read()
             body = first + rest
-            assert b"p9 " in body and body.endswith(b"data: [DONE]\n\n")
+            assert b"zqxbody9 " in body and body.endswith(b"data: [DONE]\n\n")
             assert await asyncio.wait_for(proc.wait(), 15) == 0
         finally:
             if proc.returncode is None:
@@ -91,7 +91,7 @@ async def test_sigterm_drains_in_flight_stream() -> None:
         log = (await proc.stdout.read()).decode() if proc.stdout else ""
         assert "listening on" in log and "upstream configured" in log
         # Bodies and keys are never logged.
-        assert "p9" not in log
+        assert "zqxbody" not in log
 
 
 async def test_startup_without_any_upstream_says_so() -> None:

@@ -1,0 +1,314 @@
+"""Engram's admin API under ``/engram/api/``: search, sessions, forget, export.
+
+    GET    /engram/api/search?q=&user=&session=&k=&mode=hybrid|fts|vec
+    GET    /engram/api/sessions                 the user's sessions, most recently seen first
+    GET    /engram/api/sessions/{id}            one session and its turns
+    DELETE /engram/api/sessions/{id}            the session, its sub-sessions, turns, index rows
+                                                and vectors
+    GET    /engram/api/export                   the user's memory as JSON Lines (importable)
+
+The user namespace comes from ``X-Engram-User``, else the ``user`` query parameter, else
+``default``, cleaned as the chat pipeline cleans it. Another user's session is a 404, exactly like
+a missing one. Only loopback clients are answered, unless ``memory.admin_token`` is set and the
+client sends ``Authorization: Bearer <token>``. The JSON shaping and parameter checks here are
+shared with the ``engram`` command.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import ipaddress
+import json
+import re
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from proxy.app import RETRIEVER, SETTINGS, STORE
+from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
+from proxy.identity import identify
+from proxy.jsonl import export_line
+from proxy.retrieval import MODES, Hit, Retriever
+from proxy.store.models import Session, Turn
+from proxy.store.store import Store
+
+PREFIX = "/engram/api"
+DEFAULT_K = 10
+MAX_K = 100
+MAX_QUERY_CHARS = 4096
+_INT = re.compile(r"[+-]?\d{1,9}")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ServiceUnavailable(EngramError):
+    status = 503
+    type = "server_error"
+
+
+# --- access -------------------------------------------------------------------------------------
+
+
+def is_loopback(remote: str | None) -> bool:
+    """Whether a peer address is a loopback one (IPv4-mapped IPv6 included)."""
+    if not remote:
+        return False
+    try:
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def admin_allowed(remote: str | None, authorization: str | None, token: str) -> bool:
+    """Loopback clients always; others only with ``Authorization: Bearer <token>``."""
+    if is_loopback(remote):
+        return True
+    if not token or not authorization:
+        return False
+    scheme, _, given = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def check_admin(request: web.Request) -> None:
+    token = request.app[SETTINGS].memory.admin_token
+    if not admin_allowed(request.remote, request.headers.get("Authorization"), token):
+        hint = (
+            "send Authorization: Bearer <memory.admin_token>"
+            if token
+            else "set memory.admin_token to allow other clients"
+        )
+        raise Forbidden(
+            f"The admin API answers loopback clients only; {hint}.", code="admin_forbidden"
+        )
+
+
+# --- parameters ---------------------------------------------------------------------------------
+
+
+def clean_user(raw: str | None) -> str:
+    """A user namespace as the chat pipeline names it (``default`` when absent)."""
+    return identify({"X-Engram-User": raw} if raw else {}, {}).user
+
+
+def request_user(request: web.Request) -> str:
+    return clean_user(request.headers.get("X-Engram-User") or request.query.get("user"))
+
+
+def parse_k(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_K
+    if not _INT.fullmatch(raw.strip()):
+        raise BadRequest(f"k must be an integer from 1 to {MAX_K}; got {raw!r}.", param="k")
+    k = int(raw)
+    if not 1 <= k <= MAX_K:
+        raise BadRequest(f"k must be from 1 to {MAX_K}; got {k}.", param="k")
+    return k
+
+
+def parse_mode(raw: str | None) -> str:
+    if raw is None:
+        return "hybrid"
+    if raw not in MODES:
+        raise BadRequest(f"mode must be one of {', '.join(MODES)}; got {raw!r}.", param="mode")
+    return raw
+
+
+def clean_query(raw: str | None) -> str:
+    """The search text: required, not blank; NULs and lone surrogates replaced, length capped."""
+    if raw is None:
+        raise BadRequest("q is required: the text to search for.", param="q")
+    if not raw.strip():
+        raise BadRequest("q must not be empty.", param="q")
+    text = raw.replace("\x00", " ").encode("utf-8", "replace").decode("utf-8")
+    return text[:MAX_QUERY_CHARS]
+
+
+# --- JSON shapes --------------------------------------------------------------------------------
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def hit_json(hit: Hit) -> dict[str, Any]:
+    t = hit.turn
+    return {
+        "id": t.id,
+        "session": t.session_id,
+        "role": t.role,
+        "speaker": t.speaker,
+        "content": t.content,
+        "timestamp": t.timestamp,
+        "timestamp_iso": iso(t.timestamp),
+        "score": hit.score,
+        "ranks": {"fts": hit.ranks.get("fts"), "vec": hit.ranks.get("vec")},
+    }
+
+
+def session_json(s: Session, turns: int) -> dict[str, Any]:
+    return {
+        "id": s.id,
+        "user": s.user_id,
+        "parent": s.parent_id,
+        "level": s.level,
+        "agent": s.agent,
+        "indexed": s.indexed,
+        "turns": turns,
+        "created_at": s.created_at,
+        "created_at_iso": iso(s.created_at),
+        "last_seen": s.last_seen,
+        "last_seen_iso": iso(s.last_seen),
+    }
+
+
+def turn_json(t: Turn) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "position": t.position,
+        "role": t.role,
+        "speaker": t.speaker,
+        "content": t.content,
+        "tool_calls": t.tool_calls,
+        "tool_call_id": t.tool_call_id,
+        "timestamp": t.timestamp,
+        "timestamp_iso": iso(t.timestamp),
+        "incomplete": t.incomplete,
+    }
+
+
+# --- operations shared with the CLI -------------------------------------------------------------
+
+
+async def owned_session(store: Store, user: str, session_id: str) -> Session:
+    """The user's session, or a 404 that does not tell whether another user has one."""
+    found = await store.get_session(session_id)
+    if found is None or found.user_id != user:
+        raise NotFound(f"No session {session_id!r} for user {user!r}.", code="session_not_found")
+    return found
+
+
+async def search(
+    store: Store,
+    retriever: Retriever,
+    user: str,
+    query: str,
+    *,
+    k: int = DEFAULT_K,
+    mode: str = "hybrid",
+    session: str | None = None,
+) -> list[Hit]:
+    if session is not None:
+        await owned_session(store, user, session)
+    if mode == "vec" and retriever.embedder is None:
+        raise ServiceUnavailable(
+            "Vector search is off: the embedding model did not load (see the log).",
+            code="vector_search_unavailable",
+        )
+    return await retriever.search(
+        user, query, k, mode=mode, session_ids=[session] if session is not None else None
+    )
+
+
+async def sessions_json(store: Store, user: str) -> list[dict[str, Any]]:
+    counts = await store.session_turn_counts(user)
+    return [session_json(s, counts.get(s.id, 0)) for s in await store.list_sessions(user)]
+
+
+# --- handlers -----------------------------------------------------------------------------------
+
+
+def _store(request: web.Request) -> Store:
+    store = request.app.get(STORE)
+    if store is None:
+        raise ServiceUnavailable(
+            "Memory is disabled (memory.enabled = false): the admin API has nothing to serve.",
+            code="memory_disabled",
+        )
+    return store
+
+
+async def search_handler(request: web.Request) -> web.Response:
+    store = _store(request)
+    q = request.query
+    query = clean_query(q.get("q"))
+    k, mode = parse_k(q.get("k")), parse_mode(q.get("mode"))
+    session = q.get("session") or None
+    user = request_user(request)
+    hits = await search(store, request.app[RETRIEVER], user, query, k=k, mode=mode, session=session)
+    return web.json_response(
+        {"user": user, "mode": mode, "k": k, "results": [hit_json(h) for h in hits]}
+    )
+
+
+async def sessions_handler(request: web.Request) -> web.Response:
+    store = _store(request)
+    user = request_user(request)
+    return web.json_response({"user": user, "sessions": await sessions_json(store, user)})
+
+
+async def session_handler(request: web.Request) -> web.Response:
+    store = _store(request)
+    user = request_user(request)
+    session = await owned_session(store, user, request.match_info["id"])
+    turns = await store.session_turns(session.id)
+    return web.json_response(
+        {"session": session_json(session, len(turns)), "turns": [turn_json(t) for t in turns]}
+    )
+
+
+async def delete_handler(request: web.Request) -> web.Response:
+    store = _store(request)
+    user = request_user(request)
+    session = await owned_session(store, user, request.match_info["id"])
+    turns = await store.count_turns(session.id)
+    if not await store.delete_session(session.id, user_id=user):
+        raise NotFound(f"No session {session.id!r} for user {user!r}.", code="session_not_found")
+    return web.json_response({"id": session.id, "deleted": True, "turns": turns})
+
+
+async def export_handler(request: web.Request) -> web.StreamResponse:
+    store = _store(request)
+    user = request_user(request)
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "application/x-ndjson; charset=utf-8",
+            "Content-Disposition": f'attachment; filename="engram-{user}.jsonl"',
+        }
+    )
+    await resp.prepare(request)
+    chunk: list[str] = []
+    async for item in store.export(user):
+        chunk.append(json.dumps(export_line(item), ensure_ascii=False) + "\n")
+        if len(chunk) >= 200:
+            await resp.write("".join(chunk).encode())
+            chunk.clear()
+    if chunk:
+        await resp.write("".join(chunk).encode())
+    await resp.write_eof()
+    return resp
+
+
+def _guarded(handler: Handler) -> Handler:
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        check_admin(request)
+        return await handler(request)
+
+    return wrapped
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the admin routes (before the ``/engram/{tail}`` catch-all)."""
+    app.router.add_get(f"{PREFIX}/search", _guarded(search_handler))
+    app.router.add_get(f"{PREFIX}/sessions", _guarded(sessions_handler))
+    app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}", _guarded(session_handler))
+    app.router.add_delete(f"{PREFIX}/sessions/{{id:.+}}", _guarded(delete_handler))
+    app.router.add_get(f"{PREFIX}/export", _guarded(export_handler))

@@ -1,0 +1,291 @@
+"""The ``engram`` commands that read or change memory: search, sessions, forget, export, import,
+stats, doctor. Each opens the database directly (no server needed) in one ``asyncio.run``.
+
+Exit codes: 0 done; 1 failed (nothing found, every import line bad, a doctor check failed);
+2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from proxy import admin_api as api
+from proxy.config import Settings
+from proxy.doctor import database_path, run_doctor
+from proxy.embedder import Embedder, create_embedder
+from proxy.errors import BadRequest, EngramError
+from proxy.importer import ImportReport, import_records
+from proxy.jsonl import LineError, Source, export_line, parse_line
+from proxy.progress import Progress
+from proxy.redact import redact
+from proxy.retrieval import Retriever
+from proxy.store.store import Store
+
+Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]
+MAX_ERRORS_SHOWN = 50
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Run one memory command; returns the exit code."""
+    if args.command == "doctor":
+        return asyncio.run(run_doctor(settings))
+    path = database_path(settings)
+    if args.command != "import" and not path.exists():
+        return fail(f"no memory database at {path} (nothing stored yet; see --db)")
+    try:
+        if args.command == "import":
+            return import_file(args, settings, path)
+        if args.command == "export":
+            return export(args, path)
+        return asyncio.run(_with_store(COMMANDS[args.command], args, settings, path))
+    except BadRequest as exc:
+        print(f"engram: {exc.message}", file=sys.stderr)
+        return 2
+    except EngramError as exc:
+        return fail(exc.message)
+    except OSError as exc:
+        return fail(str(exc))
+
+
+def fail(message: str) -> int:
+    print(f"engram: {message}", file=sys.stderr)
+    return 1
+
+
+async def _with_store(command: Command, args: argparse.Namespace, s: Settings, path: Path) -> int:
+    async with Store(path) as store:
+        return await command(args, s, store)
+
+
+async def open_embedder(settings: Settings, store: Store) -> Embedder | None:
+    """The configured embedder, or None (with a warning) when it cannot be used here."""
+    cfg = settings.embedder
+    try:
+        embedder = create_embedder(
+            cfg.model,
+            cache_dir=cfg.cache_dir or None,
+            threads=cfg.threads,
+            batch_size=cfg.batch_size,
+        )
+        await embedder.load()
+    except Exception as exc:
+        print(
+            f"engram: warning: embedding model {cfg.model!r} failed to load: {exc}; "
+            "working without vectors",
+            file=sys.stderr,
+        )
+        return None
+    if not await store.ensure_embedding_model(embedder.name):
+        print(
+            f"engram: warning: the database holds vectors of another embedding model than "
+            f"{embedder.name!r}; working without vectors",
+            file=sys.stderr,
+        )
+        await embedder.aclose()
+        return None
+    return embedder
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def _one_line(text: str, width: int = 120) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+async def search(args: argparse.Namespace, settings: Settings, store: Store) -> int:
+    user = api.clean_user(args.user)
+    query = api.clean_query(args.query)
+    k, mode = api.parse_k(str(args.k)), api.parse_mode(args.mode)
+    embedder = await open_embedder(settings, store) if mode != "fts" else None
+    try:
+        retriever = Retriever(store, embedder, settings.retrieval)
+        hits = await api.search(store, retriever, user, query, k=k, mode=mode, session=args.session)
+    finally:
+        if embedder is not None:
+            await embedder.aclose()
+    if args.json:
+        results = [api.hit_json(h) for h in hits]
+        _print_json({"user": user, "mode": mode, "k": k, "results": results})
+        return 0
+    if not hits:
+        print("no results")
+    for i, hit in enumerate(hits, 1):
+        ranks = "  ".join(f"{p} {hit.ranks.get(p) or '-':>3}" for p in ("fts", "vec"))
+        t = hit.turn
+        print(f"{i:>3}. {hit.score:.4f}  {ranks}  {api.iso(t.timestamp)[:16]}  {t.session_id}")
+        print(f"     {t.speaker or t.role}: {_one_line(t.content)}")
+    return 0
+
+
+async def sessions(args: argparse.Namespace, settings: Settings, store: Store) -> int:
+    users = [api.clean_user(args.user)] if args.user else await store.list_users()
+    rows = [row for user in users for row in await api.sessions_json(store, user)]
+    if args.json:
+        _print_json({"sessions": rows})
+        return 0
+    if not rows:
+        print("no sessions")
+    for r in rows:
+        extra = f"  parent {r['parent']}" if r["parent"] else ""
+        extra += f"  agent {r['agent']}" if r["agent"] else ""
+        print(
+            f"{r['user']:<20} {r['id']:<28} {r['turns']:>6} turns  "
+            f"last seen {r['last_seen_iso'][:16]}{extra}"
+        )
+    return 0
+
+
+async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> int:
+    if args.all:
+        if args.session or not args.user:
+            raise BadRequest("use either SESSION_ID or --user U --all")
+        user = api.clean_user(args.user)
+        if user not in await store.list_users():
+            return fail(f"no user namespace {user!r}")
+        stats = await store.stats()
+        turns, n = stats.per_user.get(user, 0), len(await store.list_sessions(user))
+        if not args.yes:
+            print(
+                f"engram: this deletes user {user!r}: {n} sessions, {turns} turns. "
+                "Add --yes to do it.",
+                file=sys.stderr,
+            )
+            return 2
+        await store.delete_user(user)
+        print(f"deleted user {user!r}: {n} sessions, {turns} turns")
+        return 0
+    if not args.session:
+        raise BadRequest("give a SESSION_ID (or --user U --all to delete a whole namespace)")
+    if args.user:
+        session = await api.owned_session(store, api.clean_user(args.user), args.session)
+    else:
+        found = await store.get_session(args.session)
+        if found is None:
+            return fail(f"no session {args.session!r}")
+        session = found
+    turns = await store.count_turns(session.id)
+    await store.delete_session(session.id, user_id=session.user_id)
+    print(f"deleted session {session.id!r} of user {session.user_id!r} ({turns} turns)")
+    return 0
+
+
+def export(args: argparse.Namespace, path: Path) -> int:
+    out: TextIO = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    try:
+        counts = asyncio.run(_export(path, args.user, out))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    where = f" to {args.output}" if args.output else ""
+    print(f"exported {counts['session']} sessions, {counts['turn']} turns{where}", file=sys.stderr)
+    return 0
+
+
+async def _export(path: Path, user: str | None, out: TextIO) -> dict[str, int]:
+    counts = {"session": 0, "turn": 0}
+    async with Store(path) as store:
+        for name in [api.clean_user(user)] if user else await store.list_users():
+            async for item in store.export(name):
+                counts[item["type"]] += 1
+                out.write(json.dumps(export_line(item), ensure_ascii=False) + "\n")
+    return counts
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, Source]]:
+    """(line number, parsed record or error) for every non-blank line."""
+    with path.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield n, LineError(n, "not valid UTF-8")
+                continue
+            text = text.lstrip("\ufeff") if n == 1 else text
+            if text.strip():
+                yield n, parse_line(n, text)
+
+
+def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
+    path = Path(args.file)
+    if not path.is_file():
+        return fail(f"no file {path}")
+    if args.batch < 1:
+        raise BadRequest("--batch must be at least 1")
+    with path.open("rb") as fh:
+        total = sum(1 for line in fh if line.strip())
+    progress = Progress(total, sys.stderr)
+    try:
+        report = asyncio.run(_import(settings, db, path, args.batch, progress))
+    finally:
+        progress.close()
+    for err in report.errors[:MAX_ERRORS_SHOWN]:
+        print(f"{path}:{err.line}: {err.reason}", file=sys.stderr)
+    if len(report.errors) > MAX_ERRORS_SHOWN:
+        print(f"... and {len(report.errors) - MAX_ERRORS_SHOWN} more bad lines", file=sys.stderr)
+    summary = (
+        f"imported {report.imported} turns ({report.vectors} with vectors) from "
+        f"{report.lines} lines; {report.sessions} new sessions; "
+        f"{report.duplicates} already stored; {len(report.errors)} bad lines"
+    )
+    if report.unembedded:
+        summary += f"; {report.unembedded} stored without vectors (embedding failed)"
+    print(summary)
+    return 0 if report.good > 0 else 1
+
+
+async def _import(
+    settings: Settings, db: Path, path: Path, batch: int, progress: Progress
+) -> ImportReport:
+    async with Store(db) as store:
+        embedder = await open_embedder(settings, store)
+        try:
+            return await import_records(
+                store,
+                embedder,
+                read_jsonl(path),
+                batch,
+                lambda r: progress.update(r.lines, f"{r.imported} turns, {len(r.errors)} bad"),
+                redact=redact if settings.memory.redact_secrets else None,
+            )
+        finally:
+            if embedder is not None:
+                await embedder.aclose()
+
+
+async def stats(args: argparse.Namespace, settings: Settings, store: Store) -> int:
+    st = await store.stats()
+    per_user = {
+        user: {"sessions": len(await store.list_sessions(user)), "turns": st.per_user.get(user, 0)}
+        for user in await store.list_users()
+    }
+    data = {**dataclasses.asdict(st), "db": str(store.path), "per_user": per_user}
+    if args.json:
+        _print_json(data)
+        return 0
+    for key in ("db", "schema_version", "users", "sessions", "turns", "vectors"):
+        print(f"{key:<15} {data[key]}")
+    print(f"{'size':<15} {st.db_bytes / 1e6:.2f} MB (+ {st.wal_bytes / 1e6:.2f} MB WAL)")
+    for user, c in per_user.items():
+        print(f"  {user:<30} {c['sessions']:>6} sessions {c['turns']:>8} turns")
+    return 0
+
+
+COMMANDS: dict[str, Command] = {
+    "search": search,
+    "sessions": sessions,
+    "forget": forget,
+    "stats": stats,
+}

@@ -1,0 +1,156 @@
+"""``engram doctor``: check what Engram needs, one line each, ok or FAIL with the detail.
+
+SQLite driver and version, FTS5, sqlite-vec, the database file, the embedding model (loads and
+embeds a sentence), the upstream (found and answering), Redis when one is configured.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from yarl import URL
+
+from proxy.config import Settings
+from proxy.embedder import create_embedder
+from proxy.paths import default_db_path
+from proxy.store.db import describe
+from proxy.store.store import Store
+from proxy.upstream import LLAMACPP_DEFAULT, OLLAMA_DEFAULT, Upstream, detect
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool | None  # None: not applicable, skipped
+    detail: str
+
+    def line(self) -> str:
+        status = {True: "ok", False: "FAIL", None: "skip"}[self.ok]
+        return f"{status:<5}{self.name:<12}{self.detail}"
+
+
+def sqlite_checks() -> list[Check]:
+    try:
+        info = describe()
+    except Exception as exc:
+        return [Check("sqlite", False, str(exc))]
+    return [
+        Check("sqlite", True, f"driver {info.driver}, SQLite {info.sqlite_version}"),
+        Check("fts5", info.fts5, "available" if info.fts5 else "this SQLite build lacks FTS5"),
+        Check(
+            "sqlite-vec",
+            info.vec_version is not None,
+            f"version {info.vec_version}" if info.vec_version else "not loaded",
+        ),
+    ]
+
+
+def database_path(settings: Settings) -> Path:
+    """The database file the settings name (nothing is created)."""
+    configured = settings.memory.db_path
+    return Path(configured).expanduser() if configured else default_db_path()
+
+
+def _missing_database(path: Path) -> Check | None:
+    if path.exists():
+        return None
+    folder = next((p for p in path.parents if p.exists()), None)
+    if folder is not None and os.access(folder, os.W_OK):
+        return Check("database", True, f"{path}: not created yet (created on first use)")
+    return Check("database", False, f"{path}: cannot be created (no write access to {folder})")
+
+
+async def database_check(settings: Settings) -> Check:
+    path = database_path(settings)
+    missing = _missing_database(path)
+    if missing is not None:
+        return missing
+    try:
+        async with Store(path) as store:
+            st = await store.stats()
+    except Exception as exc:
+        return Check("database", False, f"{path}: {exc}")
+    return Check(
+        "database",
+        True,
+        f"{path}: schema {st.schema_version}, {st.sessions} sessions, {st.turns} turns, "
+        f"{st.vectors} vectors, {st.db_bytes / 1e6:.1f} MB",
+    )
+
+
+async def embedder_check(settings: Settings) -> Check:
+    cfg = settings.embedder
+    start = time.perf_counter()
+    try:
+        embedder = create_embedder(cfg.model, cache_dir=cfg.cache_dir or None, threads=cfg.threads)
+    except Exception as exc:
+        return Check("model", False, f"{cfg.model}: {exc}")
+    try:
+        await embedder.load()
+        (vec,) = await embedder.embed_queries(["Engram doctor: does the embedding model work?"])
+    except Exception as exc:
+        return Check("model", False, f"{cfg.model}: {exc}")
+    finally:
+        await embedder.aclose()
+    ms = (time.perf_counter() - start) * 1000
+    return Check(
+        "model", True, f"{embedder.name}: {vec.shape[0]}-d, loaded and embedded in {ms:.0f} ms"
+    )
+
+
+async def upstream_check(settings: Settings) -> Check:
+    info = await detect(settings.upstream)
+    if info.found_by == "fallback":
+        return Check(
+            "upstream",
+            False,
+            f"nothing answers on {LLAMACPP_DEFAULT} (llama.cpp) or {OLLAMA_DEFAULT} (Ollama); "
+            "start one or pass --upstream URL",
+        )
+    upstream = Upstream(settings.upstream, info)
+    try:
+        ok, detail = await upstream.probe()
+    finally:
+        await upstream.close()
+    return Check("upstream", ok, f"{info.url} ({info.kind}, {info.found_by}): {detail}")
+
+
+async def redis_check(settings: Settings) -> Check:
+    slots: Any = getattr(settings, "slots", None)
+    url = getattr(slots, "redis_url", "") if slots is not None else ""
+    if not url:
+        return Check("redis", None, "not configured (tool slots use SQLite)")
+    shown = str(URL(url).with_password("***")) if URL(url).password else url
+    try:
+        module: Any = importlib.import_module("redis.asyncio")
+        client = module.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            await client.ping()
+        finally:
+            await client.aclose()
+    except Exception as exc:
+        return Check("redis", False, f"{shown}: {exc}")
+    return Check("redis", True, f"{shown}: PING answered")
+
+
+async def checks(settings: Settings) -> list[Check]:
+    return [
+        *sqlite_checks(),
+        await database_check(settings),
+        await embedder_check(settings),
+        await upstream_check(settings),
+        await redis_check(settings),
+    ]
+
+
+async def run_doctor(settings: Settings) -> int:
+    """Print every check; 1 if any failed."""
+    results = await checks(settings)
+    for check in results:
+        print(check.line())
+    return 1 if any(c.ok is False for c in results) else 0

@@ -1,0 +1,230 @@
+"""Import conversations into memory: records of the JSON Lines format (:mod:`proxy.jsonl`),
+stored in batches. Used by ``engram import`` and the benchmarks.
+
+:func:`import_records` creates sessions per (user, session); positions continue after what a
+session already holds; texts are embedded a batch at a time, as the chat pipeline embeds them
+(``"<speaker or role>: <content>"``); a turn already stored in its session (same
+:func:`~proxy.store.models.message_hash`, counted with multiplicity) is skipped, so importing a
+file twice stores each turn once. Bad records are reported with their line, good ones kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.embedder import Embedder
+from proxy.inject import approx_tokens
+from proxy.jsonl import (
+    LineError,
+    Record,
+    SessionRecord,
+    Source,
+    TurnRecord,
+    export_line,
+    parse_line,
+    parse_record,
+)
+from proxy.memory import EMBED_CHARS
+from proxy.store.models import NewTurn, StoreError, index_text, message_hash, text_hash
+from proxy.store.store import Store
+from proxy.vectors import Vector
+
+__all__ = [
+    "ImportReport",
+    "LineError",
+    "SessionRecord",
+    "Source",
+    "TurnRecord",
+    "export_line",
+    "import_records",
+    "parse_line",
+]
+
+log = logging.getLogger("engram.importer")
+
+
+@dataclass
+class ImportReport:
+    """What an import did."""
+
+    lines: int = 0  # records seen, good and bad
+    imported: int = 0  # turns stored
+    duplicates: int = 0  # turns already stored in their session, skipped
+    sessions: int = 0  # sessions created
+    vectors: int = 0  # turns stored with a vector
+    unembedded: int = 0  # turns stored without a vector because embedding failed
+    errors: list[LineError] = field(default_factory=list)
+
+    @property
+    def good(self) -> int:
+        return self.lines - len(self.errors)
+
+
+Progress = Callable[[ImportReport], None]
+
+
+@dataclass
+class _SessionState:
+    next_position: int
+    stored: Counter[str]  # content hashes already in the session, not yet matched
+
+
+@dataclass
+class _Importer:
+    store: Store
+    embedder: Embedder | None
+    redact: Callable[[str], str] | None
+    report: ImportReport = field(default_factory=ImportReport)
+    states: dict[tuple[str, str], _SessionState | str] = field(default_factory=dict)
+    pending: list[tuple[TurnRecord, NewTurn]] = field(default_factory=list)
+
+    async def session(self, user: str, sid: str, rec: SessionRecord | None) -> _SessionState | str:
+        """The session's state, created if new; a string says why it cannot be used."""
+        key = (user, sid)
+        known = self.states.get(key)
+        if known is not None:
+            return known
+        state: _SessionState | str
+        found = await self.store.get_session(sid)
+        if found is not None and found.user_id != user:
+            state = f"session {sid!r} belongs to another user namespace"
+        elif found is not None:
+            hashes = await self.store.session_turn_hashes(sid)
+            state = _SessionState(await self.store.next_position(sid), Counter(hashes))
+        else:
+            try:
+                await self.store.get_or_create_session(
+                    user,
+                    sid,
+                    parent_id=rec.parent if rec else None,
+                    agent=rec.agent if rec else None,
+                    indexed=rec.indexed if rec else True,
+                )
+            except StoreError as exc:
+                return str(exc)  # not cached: a later line may name an existing parent
+            self.report.sessions += 1
+            state = _SessionState(0, Counter())
+        self.states[key] = state
+        return state
+
+    async def add(self, rec: Record) -> None:
+        state = await self.session(
+            rec.user, rec.session, rec if isinstance(rec, SessionRecord) else None
+        )
+        if isinstance(state, str):
+            self.report.errors.append(LineError(rec.line, state))
+            return
+        if isinstance(rec, SessionRecord):
+            return
+        content, calls = rec.content, rec.tool_calls
+        if self.redact is not None:
+            content = self.redact(content)
+            calls = [_redact_call(c, self.redact) for c in calls] if calls else calls
+        ident = message_hash(rec.role, content, rec.speaker, calls, rec.tool_call_id)
+        if state.stored[ident] > 0:
+            state.stored[ident] -= 1
+            self.report.duplicates += 1
+            return
+        turn = NewTurn(
+            position=state.next_position,
+            role=rec.role,
+            content=content,
+            speaker=rec.speaker,
+            tool_calls=calls,
+            tool_call_id=rec.tool_call_id,
+            timestamp=rec.timestamp,
+            token_count=approx_tokens(content),
+            incomplete=rec.incomplete,
+            embed_hash=text_hash(_embed_text(rec.role, rec.speaker, content)),
+        )
+        state.next_position += 1
+        self.pending.append((rec, turn))
+
+    async def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        vectors = await self._embed([t for _, t in pending])
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, (rec, _) in enumerate(pending):
+            groups.setdefault((rec.user, rec.session), []).append(i)
+        for (user, sid), idx in groups.items():
+            ids = await self.store.add_turns(
+                sid,
+                user,
+                [pending[i][1] for i in idx],
+                [vectors[i] for i in idx] if vectors is not None else None,
+            )
+            self.report.imported += len(ids)
+            if vectors is not None:
+                self.report.vectors += sum(1 for i in idx if vectors[i] is not None)
+            elif self.embedder is not None:
+                self.report.unembedded += len(ids)
+
+    async def _embed(self, turns: list[NewTurn]) -> list[Vector | None] | None:
+        if self.embedder is None:
+            return None
+        wanted = [i for i, t in enumerate(turns) if t.content.strip()]
+        try:
+            vecs = await self.embedder.embed_passages(
+                [_embed_text(turns[i].role, turns[i].speaker, turns[i].content) for i in wanted]
+            )
+        except Exception:  # the text is kept; vectors can be backfilled later
+            log.exception("embedding failed; importing this batch without vectors")
+            return None
+        out: list[Vector | None] = [None] * len(turns)
+        for i, vec in zip(wanted, vecs, strict=True):
+            out[i] = vec
+        return out
+
+
+def _embed_text(role: str, speaker: str | None, content: str) -> str:
+    """What a turn's vector is computed from: the same text as the chat pipeline embeds."""
+    return index_text(role, speaker, content)[:EMBED_CHARS]
+
+
+def _redact_call(call: dict[str, Any], redact: Callable[[str], str]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    return {**call, "function": {**fn, "arguments": redact(fn["arguments"])}}
+
+
+async def import_records(
+    store: Store,
+    embedder: Embedder | None,
+    records: Iterable[tuple[int, Source]],
+    batch: int,
+    on_progress: Progress | None = None,
+    *,
+    redact: Callable[[str], str] | None = None,
+) -> ImportReport:
+    """Store ``(line number, record)`` pairs; bad records are reported, good ones kept.
+
+    A record is a decoded JSON object or what :func:`parse_line` returned. Every ``batch``
+    records, pending turns are embedded (``embedder=None``: no vectors), stored and
+    ``on_progress`` is called. ``redact`` rewrites texts before they are hashed and stored.
+    """
+    if batch < 1:
+        raise ValueError("batch must be at least 1")
+    job = _Importer(store, embedder, redact)
+    report = job.report
+    for line_no, source in records:
+        report.lines += 1
+        rec = source if isinstance(source, Record | LineError) else parse_record(line_no, source)
+        if isinstance(rec, LineError):
+            report.errors.append(rec)
+        else:
+            await job.add(rec)
+        if report.lines % batch == 0:
+            await job.flush()
+            if on_progress is not None:
+                on_progress(report)
+    await job.flush()
+    if on_progress is not None:
+        on_progress(report)
+    return report
