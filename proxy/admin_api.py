@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app import RETRIEVER, SETTINGS, STORE
+from proxy.app import MEMORY, RETRIEVER, SETTINGS, STORE
 from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
 from proxy.identity import identify
 from proxy.jsonl import export_line
@@ -264,6 +264,45 @@ async def session_handler(request: web.Request) -> web.Response:
     )
 
 
+async def last_request_handler(request: web.Request) -> web.Response:
+    """The last prompt forwarded for a session, each message labelled by zone and source."""
+    store = _store(request)
+    user = request_user(request)
+    session = await owned_session(store, user, request.match_info["id"])
+    found = request.app[MEMORY].last_requests.get(session.id)
+    if found is None:
+        raise NotFound(
+            f"No request of session {session.id!r} was forwarded since Engram started.",
+            code="no_request_recorded",
+        )
+    when, assembly = found
+    parts = [
+        {
+            "zone": p.zone,
+            "source": p.source,
+            "index": p.index,
+            "memory_ids": list(p.refs),
+            "message": m,
+        }
+        for p, m in zip(assembly.parts, assembly.messages, strict=True)
+    ]
+    return web.json_response(
+        {
+            "session": session.id,
+            "at": when,
+            "at_iso": iso(when),
+            "rewritten": assembly.rewritten,
+            "aged": assembly.aged,
+            "tokens": {"forwarded": assembly.tokens, "original": assembly.original_tokens},
+            "parts": parts,
+        },
+        headers={
+            "X-Engram-Memories": str(len(next((p.refs for p in assembly.parts if p.refs), ()))),
+            "X-Engram-Prompt-Tokens": f"{assembly.tokens}/{assembly.original_tokens}",
+        },
+    )
+
+
 async def delete_handler(request: web.Request) -> web.Response:
     store = _store(request)
     user = request_user(request)
@@ -309,6 +348,7 @@ def add_routes(app: web.Application) -> None:
     """Register the admin routes (before the ``/engram/{tail}`` catch-all)."""
     app.router.add_get(f"{PREFIX}/search", _guarded(search_handler))
     app.router.add_get(f"{PREFIX}/sessions", _guarded(sessions_handler))
+    app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}/requests/last", _guarded(last_request_handler))
     app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}", _guarded(session_handler))
     app.router.add_delete(f"{PREFIX}/sessions/{{id:.+}}", _guarded(delete_handler))
     app.router.add_get(f"{PREFIX}/export", _guarded(export_handler))

@@ -190,3 +190,28 @@ async def test_stable_mode_puts_memories_before_the_new_user_message(
         assert not template_violations(fwd)
     finally:
         await e.close()
+
+
+async def test_last_request_is_visible_with_zones(
+    engram: Engram, strict: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    msgs = long_chat(40)
+    status, _, r = await post(http, engram.url, {"messages": msgs}, **{"X-Engram-User": "v"})
+    assert status == 200
+    sid = r.headers["X-Engram-Session"]
+    async with http.get(
+        f"{engram.url}/engram/api/sessions/{sid}/requests/last", headers={"X-Engram-User": "v"}
+    ) as resp:
+        assert resp.status == 200
+        last = await resp.json()
+        assert resp.headers["X-Engram-Prompt-Tokens"] == r.headers["X-Engram-Prompt-Tokens"]
+    assert last["rewritten"] is True and last["aged"] > 0
+    sources = [p["source"] for p in last["parts"]]
+    assert sources[0] == "system" and sources[-1] == "current"
+    assert {p["zone"] for p in last["parts"]} <= {"primacy", "recency"}
+    assert [p["message"] for p in last["parts"]] == strict.chat_requests()[-1].json()["messages"]
+    async with http.get(
+        f"{engram.url}/engram/api/sessions/{sid}/requests/last",
+        headers={"X-Engram-User": "someone-else"},
+    ) as resp:
+        assert resp.status == 404
