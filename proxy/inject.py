@@ -1,18 +1,14 @@
-"""Putting recalled memories into the forwarded messages (pure).
+"""The memory block: recalled turns rendered for the model under a token budget (pure).
 
-First version (before zone-based prompt assembly): the memory block is appended to the first
-system message, or a system message is created at index 0. The original system text stays a
-byte-identical prefix, there is never a second system message, and the block says plainly that
-these are recalled notes, not instructions.
+The block says plainly that these are recalled notes, not instructions; each line carries its
+date and speaker. Where it goes in the prompt is :mod:`proxy.prompt`'s business.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 BLOCK_OPEN = "<engram-memory>"
 BLOCK_CLOSE = "</engram-memory>"
@@ -64,33 +60,6 @@ def memory_block(
         return "", []
     text = "\n".join([BLOCK_OPEN, PREAMBLE, *lines, BLOCK_CLOSE])
     return text, used
-
-
-def system_index(messages: Sequence[dict[str, Any]]) -> int | None:
-    """Index of the system (or developer) message that leads the prompt, if any."""
-    if messages and messages[0].get("role") in ("system", "developer"):
-        return 0
-    return None
-
-
-def inject(messages: list[dict[str, Any]], block: str) -> list[dict[str, Any]]:
-    """A copy of ``messages`` with ``block`` after the leading system text (or a new one)."""
-    if not block:
-        return messages
-    out = list(messages)
-    idx = system_index(out)
-    if idx is None:
-        return [{"role": "system", "content": block}, *out]
-    msg = copy.copy(out[idx])
-    content = msg.get("content")
-    if isinstance(content, list):
-        msg["content"] = [*content, {"type": "text", "text": "\n\n" + block}]
-    elif isinstance(content, str) and content:
-        msg["content"] = content + "\n\n" + block
-    else:
-        msg["content"] = block
-    out[idx] = msg
-    return out
 
 
 def approx_tokens(text: str) -> int:
