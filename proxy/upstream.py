@@ -11,6 +11,7 @@ import asyncio
 import io
 import json
 import logging
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 _LARGE_BODY = 1 << 20
+CONTEXT_RETRY_S = 30.0  # how long an undiscoverable context size is taken as unknown
 # Headers Engram reads and owns: stripped before forwarding.
 ENGRAM_HEADER_PREFIX = "x-engram-"
 
@@ -108,7 +110,8 @@ class Upstream:
         self.settings = settings
         self.info = info
         self.base = URL(info.url)
-        self._ctx_cache: dict[str, int] = {}
+        self._ctx_cache: dict[str, tuple[int | None, float]] = {}  # key -> (size, when)
+        self._ctx_lock = asyncio.Lock()
         self._urls: dict[str, URL] = {}  # raw path -> upstream URL (building one costs)
         limit = settings.max_connections
         self.session = aiohttp.ClientSession(
@@ -173,16 +176,26 @@ class Upstream:
         """The context window: configured, else discovered (cached per model)."""
         if self.settings.context_size:
             return self.settings.context_size
-        key = model or ""
-        if key in self._ctx_cache:
-            return self._ctx_cache[key]
-        size = await discover_context_size(
-            self.session, self.base, self.info.kind, model, self.settings.probe_timeout
-        )
-        if size:
-            self._ctx_cache[key] = size
-            if not model:
-                self.info.context_size = size
+        # llama.cpp serves one context whatever the model name; Ollama's depends on the model.
+        key = (model or "") if self.info.kind == "ollama" else ""
+        cached = self._ctx_cache.get(key)
+        if cached is not None and (
+            cached[0] is not None or time.monotonic() - cached[1] < CONTEXT_RETRY_S
+        ):
+            return cached[0]
+        async with self._ctx_lock:  # one discovery at a time, not one per waiting request
+            cached = self._ctx_cache.get(key)
+            if cached is not None and (
+                cached[0] is not None or time.monotonic() - cached[1] < CONTEXT_RETRY_S
+            ):
+                return cached[0]
+            size = await discover_context_size(
+                self.session, self.base, self.info.kind, model, self.settings.probe_timeout
+            )
+            # An unknown size is remembered too (retried later), so requests don't each wait.
+            self._ctx_cache[key] = (size, time.monotonic())
+        if size and not key:
+            self.info.context_size = size
         return size
 
 
