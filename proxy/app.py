@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from proxy import __version__
+from proxy import __version__, bundled
 from proxy.config import Settings
 from proxy.embedder import Embedder, create_embedder
 from proxy.errors import (
@@ -83,6 +83,9 @@ def _resources(
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         info = upstream_info or await detect(settings.upstream)
+        bundled_proc = None
+        if info.found_by == "fallback" and settings.upstream.bundled:
+            bundled_proc, info = await _start_bundled(info)
         _announce(info)
         upstream = Upstream(settings.upstream, info)
         tasks = BackgroundTasks()
@@ -105,6 +108,8 @@ def _resources(
         finally:
             await tasks.drain(settings.server.shutdown_timeout)
             await upstream.close()
+            if bundled_proc is not None:
+                await bundled.stop_upstream(bundled_proc)
             if memory is not None:
                 await memory.store.close()
                 if memory.embedder is not None:
@@ -177,6 +182,24 @@ async def _load_embedder(settings: Settings) -> Embedder | None:
             error=str(exc),
         )
         return None
+
+
+async def _start_bundled(
+    info: UpstreamInfo,
+) -> tuple[asyncio.subprocess.Process | None, UpstreamInfo]:
+    event(
+        log,
+        logging.WARNING,
+        "no upstream found on 127.0.0.1:8080 (llama.cpp) or 127.0.0.1:11434 (Ollama): starting "
+        "the bundled tiny model (SmolLM2-135M on llama-server) so you can try Engram; it is far "
+        "too small for real work. The first start builds llama-server (about 5 minutes).",
+    )
+    try:
+        proc, url = await bundled.start_upstream()
+    except (bundled.SetupError, OSError) as exc:
+        event(log, logging.ERROR, "the bundled model could not start", error=str(exc))
+        return None, info
+    return proc, UpstreamInfo(url, "llamacpp", "bundled")
 
 
 def _announce(info: UpstreamInfo) -> None:

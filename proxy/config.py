@@ -107,6 +107,11 @@ class UpstreamSettings:
         "Ollama /api/show).",
         min=0,
     )
+    bundled: bool = opt(
+        True,
+        "With no upstream configured or found, start the bundled tiny model (SmolLM2-135M "
+        "on llama.cpp's llama-server, built once and cached) so Engram can be tried at once.",
+    )
     max_connections: int = opt(
         256, "Most simultaneous connections to the upstream (0 = no limit).", min=0
     )

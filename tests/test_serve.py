@@ -28,7 +28,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+async def start_serve(
+    *args: str, env_extra: dict[str, str] | None = None, wait_s: float = 10.0
+) -> tuple[asyncio.subprocess.Process, str]:
     port = free_port()
     # Each process gets its own database (never the user's) and the fast fake embedder.
     env = {
@@ -36,6 +38,7 @@ async def start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
         "ENGRAM_EMBEDDER_MODEL": "hash",
         **os.environ,
         "PYTHONUNBUFFERED": "1",
+        **(env_extra or {}),
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -51,7 +54,7 @@ async def start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
     )
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:
-        for _ in range(200):
+        for _ in range(int(wait_s / 0.05)):
             try:
                 async with http.get(url + "/engram/health") as r:
                     if r.status == 200:
@@ -102,7 +105,7 @@ async def test_startup_without_any_upstream_says_so() -> None:
             busy.append(s.connect_ex(("127.0.0.1", port)) == 0)
     if any(busy):
         pytest.skip("a server runs on 8080 or 11434 here; auto-detection would find it")
-    proc, url = await start_serve()
+    proc, url = await start_serve(env_extra={"ENGRAM_UPSTREAM_BUNDLED": "false"})
     try:
         async with aiohttp.ClientSession() as http, http.get(url + "/engram/health") as r:
             health = await r.json()

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from proxy import bundled as llama_server
 from proxy.app import STORE, TASKS
 from proxy.store.models import Turn
-from scripts import llama_server
 from tests.conftest import Engram, start_engram
 
 REAL_EMBEDDER = {"model": "engram/all-MiniLM-L6-v2-int8"}
@@ -74,7 +74,7 @@ def start_llama_server(log_path: Path) -> LlamaServer:
         if llama_server.binary_path() is None:
             problem = (
                 f"llama-server is not built (expected {llama_server.cached_binary()}); "
-                "`make test` builds it (`python scripts/llama_server.py build`), "
+                "`make test` builds it (`python -m proxy.bundled build`), "
                 f"or set {llama_server.BINARY_ENV}"
             )
         else:

@@ -271,3 +271,41 @@ async def test_context_overflow_error_is_relayed_unchanged(
     assert error["n_prompt_tokens"] > CTX
     assert proxied == direct  # status, content type and llama.cpp's exact bytes
     await settle(engram)
+
+
+async def test_serve_without_upstream_starts_the_bundled_model() -> None:
+    """`make run` on a machine with no model server: Engram brings up the tiny model itself."""
+    import signal
+    import socket
+
+    from tests.test_serve import start_serve
+
+    for port in (8080, 11434):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.fail(f"port {port} is taken: auto-detection would find that server")
+    proc, url = await start_serve(wait_s=120)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/engram/health") as r:
+                health = await r.json()
+            assert health["upstream"]["found_by"] == "bundled"
+            assert health["upstream"]["reachable"] is True
+            assert health["upstream"]["context_size"] == 2048
+            async with http.post(
+                url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Say hi."}],
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+            ) as r:
+                assert r.status == 200
+                assert (await r.json())["choices"][0]["message"]["content"] is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    # The bundled server went with it.
+    with socket.socket() as s:
+        port = int(health["upstream"]["url"].rsplit(":", 1)[1])
+        assert s.connect_ex(("127.0.0.1", port)) != 0
