@@ -230,8 +230,8 @@ class SummarySettings:
     )
     prompt_file: str = opt(
         "",
-        "A file holding the summary prompt ({previous}, {turns} and {max_words} are filled "
-        "in). Empty: the built-in prompt, a copy of which is config/summary_prompt.txt.",
+        "A file holding the summariser's instructions ({max_words} is filled in). Empty: the "
+        "built-in ones, a copy of which is config/summary_prompt.txt.",
     )
     timeout: float = opt(300.0, "Seconds one summary request may take.", min=1)
 

@@ -74,7 +74,11 @@ async def test_summary_made_stored_and_used_next_turn(http: aiohttp.ClientSessio
             stored = await summary_of(engram)
             assert stored is not None and stored.content == SUMMARY and stored.upto > 60
             summariser_call = fake.chat_requests()[1].json()
-            assert "Previous summary" in summariser_call["messages"][0]["content"]
+            first, second = summariser_call["messages"]
+            assert first["role"] == "system" and "running summary" in first["content"]
+            assert second["content"].startswith("Conversation:")
+            later = fake.chat_requests()[2].json()["messages"][1]["content"]
+            assert later.startswith("Earlier summary:\n" + SUMMARY)
             # The next turn carries the summary in its recency zone.
             msgs2 = [*msgs, body["choices"][0]["message"], {"role": "user", "content": "More?"}]
             await post(http, engram, msgs2)
@@ -129,6 +133,16 @@ def test_clean_rejects_junk_and_caps_length() -> None:
     assert clean("Summary: Alice lives in Porto and keeps cats.", 100, tokens) == (
         "Alice lives in Porto and keeps cats."
     )
+    source = "user: we walked along the street\nassistant: thanks for part 1"
+    assert (
+        clean(
+            "user: we walked along the street\nassistant: thanks for part 1",
+            100,
+            tokens,
+            source=source,
+        )
+        is None
+    )  # the input copied back
     long = "\n".join(f"- fact number {i} about the project" for i in range(200))
     out = clean(long, 50, tokens)
     assert out is not None and tokens.raw(out) <= 50
