@@ -237,6 +237,18 @@ class SummarySettings:
 
 
 @dataclass(frozen=True)
+class SessionsSettings:
+    """[sessions] — sub-agents (requests with X-Engram-Parent)."""
+
+    max_depth: int = opt(
+        2, "Deepest nesting of sub-agent sessions; deeper requests get a 400.", min=0, max=16
+    )
+    subagent_sees_parent_summary: bool = opt(
+        False, "Let a sub-agent recall its parent's rolling summary (never its raw turns)."
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
@@ -247,6 +259,7 @@ class Settings:
     retrieval: RetrievalSettings = field(default_factory=RetrievalSettings)
     prompt: PromptSettings = field(default_factory=PromptSettings)
     summary: SummarySettings = field(default_factory=SummarySettings)
+    sessions: SessionsSettings = field(default_factory=SessionsSettings)
 
 
 # --- introspection -----------------------------------------------------------------------------

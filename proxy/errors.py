@@ -2,8 +2,10 @@
 
     EngramError                    any error Engram itself raises (status, type, code, param)
     ├── BadRequest                 400 invalid_request_error: the client sent something unusable
+    │   └── NestingLimitExceeded   400 a sub-agent nested deeper than sessions.max_depth
     ├── Forbidden                  403 a Host header or origin Engram refuses
     ├── NotFound                   404 an Engram route or object that does not exist
+    │   └── ParentNotFound         404 X-Engram-Parent names no session of this user
     ├── PayloadTooLarge            413 a body over server.max_body_bytes
     └── UpstreamUnavailable        502 the model server cannot be reached (not retryable)
 
@@ -54,6 +56,14 @@ class Forbidden(EngramError):
 class NotFound(EngramError):
     status = 404
     type = "not_found_error"
+
+
+class NestingLimitExceeded(BadRequest):
+    code = "nesting_limit_exceeded"
+
+
+class ParentNotFound(NotFound):
+    code = "parent_not_found"
 
 
 class PayloadTooLarge(EngramError):

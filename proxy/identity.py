@@ -27,6 +27,8 @@ class Identity:
     user: str
     explicit_session: str | None
     user_source: str  # header | body | api-key | default
+    parent: str | None = None  # X-Engram-Parent: this is a sub-agent of that session
+    agent: str | None = None  # X-Engram-Agent: the sub-agent's label
 
 
 def _clean_id(value: Any) -> str | None:
@@ -69,7 +71,10 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
         meta = body.get("metadata")
         if isinstance(meta, Mapping):
             session = _clean_id(meta.get("session_id")) or _clean_id(meta.get("sessionId"))
-    return Identity(user or "default", session, source)
+    agent = headers.get("X-Engram-Agent", "").strip()[:100] or None
+    return Identity(
+        user or "default", session, source, _clean_id(headers.get("X-Engram-Parent")), agent
+    )
 
 
 def api_key(headers: Mapping[str, str]) -> str | None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from proxy.config import Settings
 from proxy.embedder import Embedder
+from proxy.errors import NestingLimitExceeded, ParentNotFound
 from proxy.identity import (
     Identity,
     anchor_length,
@@ -112,41 +113,69 @@ def _owner(conn: Connection, session_id: str) -> str | None:
 
 
 def _new_session(
-    conn: Connection, user: str, sid: str, fingerprint: str | None, now: float
+    conn: Connection,
+    user: str,
+    sid: str,
+    fingerprint: str | None,
+    now: float,
+    parent: Session | None = None,
+    agent: str | None = None,
 ) -> Session:
     return queries.get_or_create_session(
         conn,
         user,
         sid,
-        parent_id=None,
-        agent=None,
+        parent_id=parent.id if parent else None,
+        agent=agent,
         fingerprint=fingerprint,
-        indexed=True,
+        indexed=parent is None,  # a sub-agent's raw turns stay out of everyone else's search
         max_level=None,
         now=now,
     )
 
 
-def place(
-    conn: Connection,
-    user: str,
-    explicit: str | None,
-    chains: Sequence[str],
-    anchor: int | None,
-    create: bool,
-    now: float,
-) -> Placement | None:
+def check_parent(conn: Connection, user: str, parent_id: str, max_depth: int) -> Session:
+    """The parent session of a sub-agent request, or the 4xx that says why not."""
+    parent = queries.get_session(conn, parent_id)
+    if parent is None or parent.user_id != user:
+        raise ParentNotFound(
+            f"X-Engram-Parent names session {parent_id!r}, which does not exist for this user."
+        )
+    if parent.level + 1 > max_depth:
+        raise NestingLimitExceeded(
+            f"Sub-agent sessions nest at most {max_depth} deep (sessions.max_depth = "
+            f"{max_depth}); session {parent_id!r} is already at depth {parent.level}."
+        )
+    return parent
+
+
+@dataclass(frozen=True)
+class Request:
+    """Who is asking, about which conversation (the inputs of :func:`place`)."""
+
+    user: str
+    explicit: str | None
+    chains: Sequence[str]
+    anchor: int | None
+    parent: str | None = None
+    agent: str | None = None
+    max_depth: int = 2
+
+
+def place(conn: Connection, req: Request, create: bool, now: float) -> Placement | None:
     """Find (and with ``create``, make) the session of a request. Runs in one transaction."""
-    if explicit is not None:
-        sid = explicit
+    user, chains, anchor = req.user, req.chains, req.anchor
+    parent = check_parent(conn, user, req.parent, req.max_depth) if req.parent else None
+    if req.explicit is not None:
+        sid = req.explicit
         owner = _owner(conn, sid)
         if owner is not None and owner != user:
-            sid = scoped_session_id(explicit, user, owner)
+            sid = scoped_session_id(req.explicit, user, owner)
             owner = _owner(conn, sid)
         if owner is None:
             if not create:
                 return None
-            session = _new_session(conn, user, sid, None, now)
+            session = _new_session(conn, user, sid, None, now, parent, req.agent)
             return Placement(session, 0, True, True, 0)
         found_session = queries.get_session(conn, sid)
         assert found_session is not None
@@ -160,7 +189,9 @@ def place(
         return Placement(session, matched, True, False, _max_position(conn, sid) + 1)
 
     found = (
-        queries.resolve_session(conn, user, list(chains), min_length=anchor or 1)
+        queries.resolve_session(
+            conn, user, list(chains), min_length=anchor, parent_id=parent.id if parent else None
+        )
         if anchor is not None
         else None
     )
@@ -178,7 +209,8 @@ def place(
     if not create:
         return None
     fingerprint = chains[anchor - 1] if anchor is not None and len(chains) >= anchor else None
-    session = _new_session(conn, user, "s-" + uuid.uuid4().hex[:20], fingerprint, now)
+    sid = "s-" + uuid.uuid4().hex[:20]
+    session = _new_session(conn, user, sid, fingerprint, now, parent, req.agent)
     if fork_from is not None:
         log.debug("conversation forked from %s at message %d", fork_from.id, matched)
     return Placement(session, matched, False, True, matched)
@@ -279,8 +311,17 @@ class MemoryService:
         write = mode in ("on", "write-only")
         now = time.time()
         anchor = anchor_length(messages)
+        req = Request(
+            ident.user,
+            ident.explicit_session,
+            mt.chains,
+            anchor,
+            ident.parent,
+            ident.agent,
+            self.settings.sessions.max_depth,
+        )
         mt.placement = await (self.store.write if write else self.store.read)(
-            lambda c: place(c, ident.user, ident.explicit_session, mt.chains, anchor, write, now)
+            lambda c: place(c, req, write, now)
         )
         if write and mt.placement is not None:
             mt.archive_task = self.tasks.spawn(
@@ -435,12 +476,38 @@ class MemoryService:
                 return False
             return text_hash(turn.content[:EMBED_CHARS]) not in present
 
+        session = mt.placement.session if mt.placement else None
+        # A sub-agent recalls from its own session only: never a sibling's or its parent's turns.
+        scope = [session.id] if session is not None and session.parent_id else None
+        extra: list[Memory] = []
+        if (
+            scope
+            and session is not None
+            and session.parent_id
+            and self.settings.sessions.subagent_sees_parent_summary
+        ):
+            parent_id = session.parent_id
+            found = await self.store.read(lambda c: get_summary(c, parent_id))
+            if found is not None:
+                extra.append(
+                    Memory(
+                        0,
+                        "summary",
+                        "parent conversation (summary)",
+                        found.content,
+                        found.updated_at,
+                        parent_id,
+                        1.0,
+                    )
+                )
         try:
-            hits = await self.retriever.search(mt.identity.user, query, s.top_k, keep=keep)
+            hits = await self.retriever.search(
+                mt.identity.user, query, s.top_k, keep=keep, session_ids=scope
+            )
         except Exception:  # memory degrades, the request goes on
             log.exception("retrieval failed; forwarding without memories")
-            return []
-        return [
+            return extra
+        return extra + [
             Memory(
                 h.turn.id,
                 h.turn.role,

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import Settings
-from proxy.errors import BadRequest
+from proxy.errors import BadRequest, EngramError
 from proxy.forward import is_event_stream, read_body, relay
 from proxy.memory import MemoryService, MemoryTurn
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
@@ -221,6 +221,8 @@ class ChatPipeline:
         assert self.memory is not None
         try:
             mt = await self.memory.before_forward(request.headers, turn.body, turn.mode)
+        except EngramError:
+            raise  # the request itself is wrong (e.g. a sub-agent nested too deep): a 4xx
         except Exception:
             log.exception("memory stages failed; forwarding the request unchanged")
             return

@@ -139,14 +139,20 @@ def find_session_by_fingerprint(conn: Connection, user_id: str, fingerprint: str
 
 
 def resolve_session(
-    conn: Connection, user_id: str, hashes: Sequence[str], min_length: int = 1
+    conn: Connection,
+    user_id: str,
+    hashes: Sequence[str],
+    min_length: int = 1,
+    parent_id: str | None = None,
 ) -> tuple[Session, int] | None:
     """The user's session holding the longest prefix of ``hashes``, and that prefix's length.
 
     ``hashes[i]`` is the expected ``content_hash`` at position ``i``. They must be chain hashes
     (each covering every earlier message, as :func:`proxy.identity.chain_hashes` makes them), so
     a match at position ``i`` implies positions ``0..i`` match. Prefixes shorter than
-    ``min_length`` do not count. Ties go to the most recently seen session.
+    ``min_length`` do not count. Ties go to the most recently seen session. Only sessions whose
+    parent is ``parent_id`` count (None: top-level sessions), so a sub-agent's conversation never
+    continues a sibling's, nor a parent's.
     """
     if not hashes:
         return None
@@ -154,8 +160,9 @@ def resolve_session(
     rows = conn.execute(
         "SELECT t.session_id, t.position, t.content_hash, s.last_seen FROM turns t"
         " JOIN sessions s ON s.id = t.session_id"
-        " WHERE t.user_id = ? AND t.content_hash IN (SELECT value FROM json_each(?))",
-        (user_id, json_list(wanted)),
+        " WHERE t.user_id = ? AND t.content_hash IN (SELECT value FROM json_each(?))"
+        " AND s.parent_id IS ?",
+        (user_id, json_list(wanted), parent_id),
     ).fetchall()
     best: tuple[int, float, str] | None = None
     for session_id, position, content_hash, last_seen in rows:
