@@ -303,6 +303,30 @@ async def last_request_handler(request: web.Request) -> web.Response:
     )
 
 
+async def complete_handler(request: web.Request) -> web.Response:
+    """A sub-agent is done: its summary is handed back to its parent (in the background)."""
+    store = _store(request)
+    user = request_user(request)
+    session = await owned_session(store, user, request.match_info["id"])
+    if session.parent_id is None:
+        raise BadRequest(
+            f"Session {session.id!r} has no parent: only sub-agent sessions (started with "
+            "X-Engram-Parent) are completed.",
+            code="not_a_subagent",
+        )
+    handback = request.app[MEMORY].handback
+    assert handback is not None
+    queued = handback.complete(session)
+    return web.json_response(
+        {
+            "id": session.id,
+            "parent": session.parent_id,
+            "status": "queued" if queued else "already running",
+        },
+        status=202,
+    )
+
+
 async def delete_handler(request: web.Request) -> web.Response:
     store = _store(request)
     user = request_user(request)
@@ -349,6 +373,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get(f"{PREFIX}/search", _guarded(search_handler))
     app.router.add_get(f"{PREFIX}/sessions", _guarded(sessions_handler))
     app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}/requests/last", _guarded(last_request_handler))
+    app.router.add_post(f"{PREFIX}/sessions/{{id:.+}}/complete", _guarded(complete_handler))
     app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}", _guarded(session_handler))
     app.router.add_delete(f"{PREFIX}/sessions/{{id:.+}}", _guarded(delete_handler))
     app.router.add_get(f"{PREFIX}/export", _guarded(export_handler))

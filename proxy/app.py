@@ -26,6 +26,7 @@ from proxy.errors import (
     error_response,
 )
 from proxy.forward import read_body, relay
+from proxy.handback import Handback, stop_watching
 from proxy.logs import event
 from proxy.memory import MemoryService
 from proxy.paths import db_path
@@ -103,9 +104,15 @@ def _resources(
                 "upstream context size",
                 context_size=size if size else "unknown (set upstream.context_size)",
             )
+        watcher = (
+            asyncio.create_task(memory.handback.watch_idle(), name="handback-idle")
+            if memory is not None and memory.handback is not None
+            else None
+        )
         try:
             yield
         finally:
+            await stop_watching(watcher)
             await tasks.drain(settings.server.shutdown_timeout)
             await upstream.close()
             if bundled_proc is not None:
@@ -148,6 +155,7 @@ async def _open_memory(
         tokens,
         context_size=upstream.context_size,
         summarizer=summarizer,
+        handback=Handback(settings, store, embedder, summarizer, tasks),
     )
     app[STORE] = store
     app[RETRIEVER] = retriever

@@ -246,6 +246,12 @@ class SessionsSettings:
     subagent_sees_parent_summary: bool = opt(
         False, "Let a sub-agent recall its parent's rolling summary (never its raw turns)."
     )
+    complete_after_idle: float = opt(
+        900.0,
+        "Seconds without requests after which a sub-agent counts as completed and hands its "
+        "summary back to its parent (0: only POST /engram/api/sessions/{id}/complete).",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)

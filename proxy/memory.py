@@ -29,6 +29,7 @@ from typing import Any
 from proxy.config import Settings
 from proxy.embedder import Embedder
 from proxy.errors import NestingLimitExceeded, ParentNotFound
+from proxy.handback import Handback
 from proxy.identity import (
     Identity,
     anchor_length,
@@ -39,6 +40,7 @@ from proxy.identity import (
     is_housekeeping,
 )
 from proxy.inject import Memory, approx_tokens, memory_block
+from proxy.items import session_items
 from proxy.logs import event
 from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
@@ -277,6 +279,7 @@ class MemoryService:
         tokens: TokenCounter | None = None,
         context_size: Callable[[str | None], Awaitable[int | None]] | None = None,
         summarizer: Summarizer | None = None,
+        handback: Handback | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -286,6 +289,7 @@ class MemoryService:
         self.tokens = tokens or TokenCounter()
         self.context_size = context_size
         self.summarizer = summarizer
+        self.handback = handback
         self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: OrderedDict[str, tuple[float, Assembly]] = OrderedDict()
@@ -500,6 +504,22 @@ class MemoryService:
                         1.0,
                     )
                 )
+        if session is not None and not scope:
+            # What this conversation's sub-agents handed back comes first, searched or not.
+            sid = session.id
+            for item in await self.store.read(lambda c: session_items(c, sid, "summary", 3)):
+                if keep(item):
+                    extra.append(
+                        Memory(
+                            item.id,
+                            item.role,
+                            item.speaker,
+                            item.content,
+                            item.timestamp,
+                            item.session_id,
+                            1.0,
+                        )
+                    )
         try:
             hits = await self.retriever.search(
                 mt.identity.user, query, s.top_k, keep=keep, session_ids=scope
@@ -507,6 +527,7 @@ class MemoryService:
         except Exception:  # memory degrades, the request goes on
             log.exception("retrieval failed; forwarding without memories")
             return extra
+        seen = {m.id for m in extra}
         return extra + [
             Memory(
                 h.turn.id,
@@ -518,6 +539,7 @@ class MemoryService:
                 h.score,
             )
             for h in hits
+            if h.turn.id not in seen
         ]
 
     async def _archive_request(self, mt: MemoryTurn, now: float) -> None:

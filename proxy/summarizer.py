@@ -268,6 +268,33 @@ class Summarizer:
         )
         return summary
 
+    async def complete(self, messages: list[dict[str, str]], model: str | None) -> str | None:
+        """One budgeted call to the upstream (for other background writers: hand-backs,
+        consolidation). None when over budget or when the call fails."""
+        cfg = self.settings.summary
+        cost = self.tokens.raw("\n".join(m["content"] for m in messages)) + cfg.max_tokens
+        if self.tokens_spent + cost > cfg.budget_share * self.tokens_proxied:
+            self.skipped_budget += 1
+            return None
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": cfg.max_tokens,
+            "temperature": 0.2,
+            "stream": False,
+        }
+        if model:
+            body["model"] = model
+        try:
+            reply, usage = await self._call(body)
+        except Exception:
+            self.failed += 1
+            log.exception("background call to the upstream failed")
+            self.tokens_spent += cost  # it may have run: count it, stay under budget
+            return None
+        spent = usage.get("total_tokens") if usage else None
+        self.tokens_spent += spent if isinstance(spent, int) else cost
+        return reply
+
     async def _call(self, body: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
         url = join_url(self.upstream.base, "/v1/chat/completions")
         timeout = aiohttp.ClientTimeout(total=self.settings.summary.timeout)

@@ -62,7 +62,12 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "summaries",
     } <= tables
     assert _columns(conn, "summaries") == [
-        "session_id", "content", "upto", "tokens", "model", "updated_at"
+        "session_id",
+        "content",
+        "upto",
+        "tokens",
+        "model",
+        "updated_at",
     ]
     assert _columns(conn, "users") == ["id", "created_at"]
     assert _columns(conn, "sessions") == [
@@ -75,6 +80,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "last_seen",
         "fingerprint",
         "indexed",
+        "completed_at",
     ]
     assert _columns(conn, "turns") == [
         "id",
@@ -91,6 +97,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "content_hash",
         "embed_hash",
         "incomplete",
+        "source_session",
     ]
     assert _objects(conn, "trigger") == {"turns_ai", "turns_au", "turns_ad"}
     assert {"turns_user", "turns_user_hash", "turns_embed_hash", "sessions_user"} <= _objects(
@@ -149,9 +156,7 @@ def test_failed_migration_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
         raise RuntimeError("boom")
 
     latest = migrations.latest_version()
-    monkeypatch.setattr(
-        migrations, "MIGRATIONS", (*migrations.MIGRATIONS, (latest + 1, broken))
-    )
+    monkeypatch.setattr(migrations, "MIGRATIONS", (*migrations.MIGRATIONS, (latest + 1, broken)))
     c = db.connect(tmp_path / "m.db")
     try:
         with pytest.raises(RuntimeError, match="boom"):

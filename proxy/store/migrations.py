@@ -89,7 +89,7 @@ def _neighbours_sql(session: str, position: str) -> str:
     """SQL selecting the ids of the ``CTX_TURNS`` non-system turns on each side of a position."""
     side = (
         "SELECT * FROM (SELECT n.id FROM turns n WHERE n.session_id = {s} AND n.position {op} {p}"
-        " AND n.role != 'system' ORDER BY n.position {order} LIMIT {k})"
+        " AND n.role != 'system' AND n.position >= 0 ORDER BY n.position {order} LIMIT {k})"
     )
     return (
         side.format(s=session, p=position, op="<", order="DESC", k=CTX_TURNS)
@@ -101,7 +101,8 @@ def _neighbours_sql(session: str, position: str) -> str:
 def _ctx_sql(t: str) -> str:
     """SQL for the ``ctx`` column of the turn ``t``: its neighbours' bodies, newline-joined."""
     return (
-        f"CASE WHEN {t}.role = 'system' THEN '' ELSE coalesce((SELECT group_concat("
+        f"CASE WHEN {t}.role = 'system' OR {t}.position < 0 THEN '' ELSE coalesce(("
+        f"SELECT group_concat("
         f"substr({_body_sql('c')}, 1, {CTX_CHARS}), char(10)) FROM turns c WHERE c.id IN ("
         f"{_neighbours_sql(f'{t}.session_id', f'{t}.position')})), '') END"
     )
@@ -202,7 +203,9 @@ def _m001_initial(conn: Connection) -> None:
             id           INTEGER PRIMARY KEY,
             session_id   TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
             user_id      TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
-            position     INTEGER NOT NULL CHECK (position >= 0),
+            -- messages: 0, 1, 2… in conversation order; memory items Engram makes (role
+            -- 'summary' or 'fact') take -1, -2…, so they never collide with a message.
+            position     INTEGER NOT NULL CHECK (position >= 0 OR role IN ('summary', 'fact')),
             role         TEXT NOT NULL,
             speaker      TEXT,                   -- the message's "name", or a display name
             content      TEXT NOT NULL DEFAULT '',
@@ -256,9 +259,25 @@ def _m002_summaries(conn: Connection) -> None:
     )
 
 
+def _m003_items_and_completion(conn: Connection) -> None:
+    """Memory items link to the session they came from; sub-agent sessions can be completed."""
+    _execute_script(
+        conn,
+        """
+        ALTER TABLE turns ADD COLUMN source_session TEXT;
+        ALTER TABLE sessions ADD COLUMN completed_at REAL;
+        CREATE INDEX turns_source ON turns(source_session) WHERE source_session IS NOT NULL;
+        """,
+    )
+
+
 Migration = Callable[[Connection], None]
 
-MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _m001_initial), (2, _m002_summaries))
+MIGRATIONS: tuple[tuple[int, Migration], ...] = (
+    (1, _m001_initial),
+    (2, _m002_summaries),
+    (3, _m003_items_and_completion),
+)
 """(version, function), ascending. Append only."""
 
 
