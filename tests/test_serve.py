@@ -123,7 +123,7 @@ async def test_startup_without_any_upstream_says_so() -> None:
 async def test_sigkill_during_burst_leaves_an_intact_database(tmp_path: Path) -> None:
     db = tmp_path / "engram.db"
     async with FakeUpstream() as fake:
-        proc, url = await start_serve("--upstream", fake.url, "--db", str(db))
+        proc, url = await start_serve("--upstream", fake.url, "--db", str(db), wait_s=30)
 
         async def one(i: int, http: aiohttp.ClientSession) -> None:
             msgs = [{"role": "user", "content": f"fact number {i}: the code is {i * 7}"}]
@@ -137,7 +137,11 @@ async def test_sigkill_during_burst_leaves_an_intact_database(tmp_path: Path) ->
 
         async with aiohttp.ClientSession() as http:
             burst = asyncio.gather(*(one(i, http) for i in range(300)))
-            await asyncio.sleep(0.4)
+            for _ in range(400):  # kill it mid-burst, once it has archived something
+                async with http.get(url + "/engram/metrics") as r:
+                    if "engram_turns_archived_total 0\n" not in await r.text():
+                        break
+                await asyncio.sleep(0.025)
             proc.kill()  # SIGKILL: no cleanup at all
             await burst
         await proc.wait()
@@ -161,7 +165,7 @@ async def test_sigkill_during_burst_leaves_an_intact_database(tmp_path: Path) ->
         finally:
             await store.close()
 
-        proc, url = await start_serve("--upstream", fake.url, "--db", str(db))
+        proc, url = await start_serve("--upstream", fake.url, "--db", str(db), wait_s=30)
         try:
             async with (
                 aiohttp.ClientSession() as http,
