@@ -16,7 +16,7 @@ from typing import Any
 from yarl import URL
 
 from proxy.config import Settings
-from proxy.embedder import create_embedder
+from proxy.embedder import from_settings
 from proxy.paths import default_db_path
 from proxy.store.db import describe
 from proxy.store.store import Store
@@ -87,7 +87,7 @@ async def embedder_check(settings: Settings) -> Check:
     cfg = settings.embedder
     start = time.perf_counter()
     try:
-        embedder = create_embedder(cfg.model, cache_dir=cfg.cache_dir or None, threads=cfg.threads)
+        embedder = from_settings(cfg)
     except Exception as exc:
         return Check("model", False, f"{cfg.model}: {exc}")
     try:

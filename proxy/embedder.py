@@ -40,6 +40,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from proxy.config import EmbedderSettings
 from proxy.vectors import Vector
 
 DEFAULT_MODEL = "engram/all-MiniLM-L6-v2-int8"
@@ -423,6 +424,13 @@ def assemble_minilm(cache_dir: Path) -> Path:
     except OSError:  # another process won the race; its folder is as good as ours
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def from_settings(cfg: EmbedderSettings) -> Embedder:
+    """The embedder ``[embedder]`` describes (not loaded yet)."""
+    return create_embedder(
+        cfg.model, cache_dir=cfg.cache_dir or None, threads=cfg.threads, batch_size=cfg.batch_size
+    )
 
 
 def create_embedder(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ import aiohttp
 import pytest_asyncio
 from aiohttp import web
 
-from proxy.app import PIPELINE, create_app
+from proxy.app import PIPELINE, TASKS, create_app
 from proxy.config import Settings, load_settings
 from proxy.pipeline import ChatTurn
 from tests.fake_upstream import FakeUpstream
@@ -64,6 +65,16 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
 
     app[PIPELINE].reply_hooks.append(probe)
     return engram
+
+
+async def settle(engram: Engram, timeout: float = 10.0) -> None:
+    """Wait until Engram's background work (archiving, embedding, summaries) is done."""
+    tasks = engram.app[TASKS]
+    for _ in range(int(timeout / 0.01)):
+        if not len(tasks):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("background work did not finish")
 
 
 @pytest_asyncio.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 from typing import Any
@@ -14,12 +13,12 @@ from aiohttp.test_utils import make_mocked_request
 from yarl import URL
 
 from proxy.admin_api import admin_allowed, check_admin, is_loopback
-from proxy.app import MEMORY, SETTINGS, STORE, TASKS
+from proxy.app import MEMORY, SETTINGS, STORE
 from proxy.config import load_settings
 from proxy.errors import Forbidden
 from proxy.importer import ImportReport, import_records
 from proxy.store.db import Connection
-from tests.conftest import Engram, start_engram
+from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream
 
 API = "/engram/api"
@@ -47,15 +46,6 @@ async def get(
         body = await r.json()
         assert r.status == status, body
         return body
-
-
-async def settle(engram: Engram) -> None:
-    tasks = engram.app[TASKS]
-    for _ in range(500):
-        if not len(tasks):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("background work did not finish")
 
 
 # --- search -------------------------------------------------------------------------------------

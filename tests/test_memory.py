@@ -10,10 +10,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from proxy.app import MEMORY, STORE, TASKS
+from proxy.app import MEMORY, STORE
 from proxy.inject import BLOCK_OPEN
 from proxy.store.models import Turn
-from tests.conftest import Engram, start_engram
+from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_chunks, template_violations
 from tests.fake_upstream import FakeUpstream, StreamReply
 
@@ -40,16 +40,6 @@ async def chat(
         assert r.status == 200, await r.text()
         body = await r.json() if not extra.get("stream") else {"raw": await r.read()}
         return body, r
-
-
-async def settle(engram: Engram) -> None:
-    """Wait until background archiving is done."""
-    tasks = engram.app[TASKS]
-    for _ in range(500):
-        if not len(tasks):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("background work did not finish")
 
 
 async def all_turns(engram: Engram, user: str) -> list[Turn]:

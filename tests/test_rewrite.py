@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,8 +10,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from proxy.app import TASKS
-from tests.conftest import Engram, start_engram
+from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import template_violations
 from tests.fake_upstream import FakeUpstream
 
@@ -34,13 +32,6 @@ async def engram(strict: FakeUpstream) -> AsyncIterator[Engram]:
         yield e
     finally:
         await e.close()
-
-
-async def settle(engram: Engram) -> None:
-    for _ in range(500):
-        if not len(engram.app[TASKS]):
-            return
-        await asyncio.sleep(0.01)
 
 
 def long_chat(turns: int, words: int = 60) -> list[dict[str, Any]]:

@@ -2,32 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import aiohttp
 import pytest
 
-from proxy.app import MEMORY, STORE, TASKS
+from proxy.app import MEMORY, STORE
 from proxy.prompt import SUMMARY_OPEN
 from proxy.summarizer import DEFAULT_PROMPT, clean, get_summary
 from proxy.tokens import TokenCounter
-from tests.conftest import Engram, start_engram
+from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion, template_violations
 from tests.fake_upstream import FakeUpstream, JsonReply
 from tests.test_config import ROOT
 from tests.test_rewrite import long_chat
 
 SUMMARY = "The user asked forty numbered questions about lorem ipsum; question 3 concerned lorem."
-
-
-async def settle(engram: Engram) -> None:
-    for _ in range(1000):
-        if not len(engram.app[TASKS]):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("background work did not finish")
 
 
 async def start(fake: FakeUpstream, **summary: Any) -> Engram:

@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 from proxy import bundled as llama_server
-from proxy.app import STORE, TASKS
+from proxy.app import STORE
 from proxy.store.models import Turn
 from tests.conftest import Engram, start_engram
 
@@ -153,16 +153,6 @@ async def engram_real(llama: LlamaServer) -> AsyncIterator[Engram]:
         yield e
     finally:
         await e.close()
-
-
-async def settle(engram: Engram) -> None:
-    """Wait until Engram's background work (archiving, embedding) is done."""
-    tasks = engram.app[TASKS]
-    for _ in range(1000):
-        if not len(tasks):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("background work did not finish")
 
 
 async def user_turns(engram: Engram, user: str) -> list[Turn]:

@@ -3,17 +3,16 @@ works through Engram, and the real model's summary is stored and used in a later
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 import aiohttp
 import pytest
 
-from proxy.app import MEMORY, STORE, TASKS
+from proxy.app import MEMORY, STORE
 from proxy.prompt import SUMMARY_OPEN
 from proxy.summarizer import get_summary
-from tests.conftest import start_engram
+from tests.conftest import settle, start_engram
 from tests.e2e.conftest import CTX, LlamaServer
 from tests.fake_chunks import template_violations
 
@@ -59,14 +58,6 @@ async def post(url: str, body: dict[str, Any], **headers: str) -> tuple[int, Any
         return r.status, await r.json()
 
 
-async def settle(tasks: Any, timeout: float = 240.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if not len(tasks):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("background work (the summary) did not finish")
-
-
 async def test_three_times_the_context_then_a_real_summary(llama: LlamaServer) -> None:
     msgs = long_conversation()
     body = {"model": "smollm2", "messages": msgs, "max_tokens": 16, "temperature": 0}
@@ -81,7 +72,7 @@ async def test_three_times_the_context_then_a_real_summary(llama: LlamaServer) -
         status, reply = await post(engram.url, body, **{"X-Engram-User": "e2e-long"})
         assert status == 200, reply
         assert reply["usage"]["prompt_tokens"] < CTX
-        await settle(engram.app[TASKS])
+        await settle(engram, timeout=240)
         store = engram.app[STORE]
         (session,) = await store.list_sessions("e2e-long")
         summary = await store.read(lambda c: get_summary(c, session.id))
