@@ -28,6 +28,7 @@ from typing import Any
 Message = dict[str, Any]
 
 MODES = ("zones", "stable")
+STABLE_REFILL = 0.6  # in stable mode a cut leaves the window this full, with room to grow
 SUMMARY_OPEN = "<engram-summary>"
 SUMMARY_CLOSE = "</engram-summary>"
 SUMMARY_PREAMBLE = "Summary of the earlier part of this conversation (older turns are not shown):"
@@ -124,9 +125,13 @@ def assemble(
     summary: str | None = None,
     mode: str = "zones",
     whole_share: float = 0.8,
+    previous_start: int | None = None,
 ) -> Assembly:
     """Build the forwarded messages. ``budget`` is the prompt's token budget (None: unknown,
-    forward whole). ``summary`` stands in for the aged part when the conversation is cut."""
+    forward whole). ``summary`` stands in for the aged part when the conversation is cut. In
+    ``stable`` mode ``previous_start`` (where this conversation's last window began) is kept
+    while the window still fits, and a cut goes deeper (to :data:`STABLE_REFILL` of the room),
+    so the forwarded prefix stays byte-identical for many turns between cuts."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     msgs = list(messages)
@@ -146,13 +151,23 @@ def assemble(
         fixed = sum(sizes[:first]) + mem_cost + sum(sizes[cur:])
         sum_cost = count_text(summary_text(summary)) + 4 if summary else 0
         room = budget - fixed - sum_cost
-        start = cur
-        for a, b in reversed(units(msgs, first, cur)):
-            cost = sum(sizes[a:b])
-            if cost > room:
-                break
-            room -= cost
-            start = a
+        if (
+            mode == "stable"
+            and previous_start is not None
+            and first < previous_start <= cur
+            and sum(sizes[previous_start:cur]) <= room
+        ):
+            start = previous_start  # the window still fits where it started: the prefix holds
+        else:
+            if mode == "stable":
+                room = int(room * STABLE_REFILL)  # cut deeper, so later turns fit without a move
+            start = cur
+            for a, b in reversed(units(msgs, first, cur)):
+                cost = sum(sizes[a:b])
+                if cost > room:
+                    break
+                room -= cost
+                start = a
         # The first message after the system message must be a user turn unless the summary
         # (a user message) opens the zone; an orphan tool result can never lead.
         while start < cur and (
