@@ -6,6 +6,10 @@
     DELETE /engram/api/sessions/{id}            the session, its sub-sessions, turns, index rows
                                                 and vectors
     GET    /engram/api/export                   the user's memory as JSON Lines (importable)
+    POST   /engram/api/sessions/{id}/complete   a sub-agent is done: hand its summary back
+    POST   /engram/api/feedback                 {"request_id", "helpful", "note"}: flag a request
+    POST   /engram/api/consolidate              run a consolidation pass over the user's queue
+    GET    /engram/api/stats                    the user's counts and the token figures
 
 The user namespace comes from ``X-Engram-User``, else the ``user`` query parameter, else
 ``default``, cleaned as the chat pipeline cleans it. Another user's session is a 404, exactly like
@@ -16,6 +20,7 @@ shared with the ``engram`` command.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -27,11 +32,13 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app import MEMORY, RETRIEVER, SETTINGS, STORE
+from proxy.app import CONSOLIDATOR, COUNTERS, MEMORY, RETRIEVER, SETTINGS, STORE
 from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
+from proxy.feedback import MAX_NOTE_CHARS
 from proxy.identity import identify
 from proxy.jsonl import export_line
 from proxy.retrieval import MODES, Hit, Retriever
+from proxy.stats import memory_counts, token_figures
 from proxy.store.models import Session, Turn
 from proxy.store.store import Store
 
@@ -359,6 +366,85 @@ async def export_handler(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def json_object(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    raw = await request.read()
+    if not raw.strip():
+        raise BadRequest("Request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("Request body must be a JSON object.", code="invalid_body")
+    return body
+
+
+def parse_feedback(body: dict[str, Any]) -> tuple[str, bool, str | None]:
+    """(request id, helpful, note) from a feedback body; a 400 naming the field otherwise."""
+    request_id = body.get("request_id")
+    if not isinstance(request_id, str) or not request_id.strip() or len(request_id) > 200:
+        raise BadRequest(
+            "request_id is required: the X-Engram-Request-Id of a chat request (a string).",
+            param="request_id",
+            code="invalid_request_id",
+        )
+    helpful = body.get("helpful")
+    if not isinstance(helpful, bool):
+        raise BadRequest(
+            "helpful is required: false flags the request as badly served by memory, true "
+            "records that it was served well.",
+            param="helpful",
+            code="invalid_helpful",
+        )
+    note = body.get("note")
+    if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE_CHARS):
+        raise BadRequest(
+            f"note must be a string of at most {MAX_NOTE_CHARS} characters.",
+            param="note",
+            code="invalid_note",
+        )
+    return request_id.strip(), helpful, (note.strip() or None) if note is not None else None
+
+
+async def feedback_handler(request: web.Request) -> web.Response:
+    """Feedback on a chat request; ``helpful: false`` queues it for consolidation."""
+    _store(request)
+    user = request_user(request)
+    request_id, helpful, note = parse_feedback(await json_object(request))
+    feedback = request.app[MEMORY].feedback
+    assert feedback is not None
+    result = await feedback.submit(user, request_id, helpful, note)
+    return web.json_response(
+        {"request_id": result.request_id, "helpful": result.helpful, "queued": result.queued}
+    )
+
+
+async def consolidate_handler(request: web.Request) -> web.Response:
+    """Run a consolidation pass over the user's queued requests now (tests, operations)."""
+    _store(request)
+    user = request_user(request)
+    consolidator = request.app[CONSOLIDATOR]
+    report = await consolidator.run_pass(user)
+    return web.json_response(
+        {
+            "user": user,
+            **dataclasses.asdict(report),
+            "tokens_spent": consolidator.tokens_spent,
+            "tokens_allowed": int(consolidator.allowance()),
+        }
+    )
+
+
+async def stats_handler(request: web.Request) -> web.Response:
+    """The user's hand-backs, facts, feedback and queue; the server's token figures."""
+    store = _store(request)
+    user = request_user(request)
+    counts = await store.read(lambda c: memory_counts(c, user))
+    tokens = token_figures(request.app[COUNTERS].current(), request.app[SETTINGS])
+    return web.json_response({"user": user, "tokens": tokens, **counts})
+
+
 def _guarded(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -377,3 +463,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}", _guarded(session_handler))
     app.router.add_delete(f"{PREFIX}/sessions/{{id:.+}}", _guarded(delete_handler))
     app.router.add_get(f"{PREFIX}/export", _guarded(export_handler))
+    app.router.add_post(f"{PREFIX}/feedback", _guarded(feedback_handler))
+    app.router.add_post(f"{PREFIX}/consolidate", _guarded(consolidate_handler))
+    app.router.add_get(f"{PREFIX}/stats", _guarded(stats_handler))

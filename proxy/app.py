@@ -16,7 +16,8 @@ from aiohttp import web
 
 from proxy import __version__, bundled
 from proxy.config import Settings
-from proxy.embedder import Embedder, create_embedder
+from proxy.consolidation import Consolidator
+from proxy.embedder import Embedder, from_settings
 from proxy.errors import (
     EngramError,
     Forbidden,
@@ -25,6 +26,7 @@ from proxy.errors import (
     error_body,
     error_response,
 )
+from proxy.feedback import Feedback
 from proxy.forward import read_body, relay
 from proxy.handback import Handback, stop_watching
 from proxy.logs import event
@@ -32,6 +34,7 @@ from proxy.memory import MemoryService
 from proxy.paths import db_path
 from proxy.pipeline import ChatPipeline
 from proxy.retrieval import Retriever
+from proxy.stats import Counters
 from proxy.store.store import Store
 from proxy.summarizer import Summarizer
 from proxy.tasks import BackgroundTasks
@@ -49,6 +52,8 @@ STARTED = web.AppKey("started", float)
 STORE = web.AppKey("store", Store)
 RETRIEVER = web.AppKey("retriever", Retriever)
 MEMORY = web.AppKey("memory", MemoryService)
+CONSOLIDATOR = web.AppKey("consolidator", Consolidator)
+COUNTERS = web.AppKey("counters", Counters)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"})
@@ -104,20 +109,28 @@ def _resources(
                 "upstream context size",
                 context_size=size if size else "unknown (set upstream.context_size)",
             )
-        watcher = (
-            asyncio.create_task(memory.handback.watch_idle(), name="handback-idle")
-            if memory is not None and memory.handback is not None
-            else None
-        )
+        watchers: list[asyncio.Task[None]] = []
+        if memory is not None:
+            if memory.handback is not None:
+                watchers.append(
+                    asyncio.create_task(memory.handback.watch_idle(), name="handback-idle")
+                )
+            watchers.append(asyncio.create_task(app[CONSOLIDATOR].watch(), name="consolidation"))
+            watchers.append(asyncio.create_task(app[COUNTERS].run(), name="counters"))
         try:
             yield
         finally:
-            await stop_watching(watcher)
+            for watcher in watchers:
+                await stop_watching(watcher)
             await tasks.drain(settings.server.shutdown_timeout)
             await upstream.close()
             if bundled_proc is not None:
                 await bundled.stop_upstream(bundled_proc)
             if memory is not None:
+                try:
+                    await app[COUNTERS].flush()
+                except Exception:
+                    log.exception("saving the token counters at shutdown failed")
                 await memory.store.close()
                 if memory.embedder is not None:
                     await memory.embedder.aclose()
@@ -146,6 +159,10 @@ async def _open_memory(
     retriever = Retriever(store, embedder, settings.retrieval)
     tokens = TokenCounter(await asyncio.to_thread(load_encoder))
     summarizer = Summarizer(settings, store, upstream, tokens)
+    feedback = Feedback(settings, store, tasks)
+    consolidator = Consolidator(settings, store, embedder, summarizer, feedback)
+    counters = Counters(store, summarizer, consolidator)
+    await counters.load()
     service = MemoryService(
         settings,
         store,
@@ -156,8 +173,11 @@ async def _open_memory(
         context_size=upstream.context_size,
         summarizer=summarizer,
         handback=Handback(settings, store, embedder, summarizer, tasks),
+        feedback=feedback,
     )
     app[STORE] = store
+    app[CONSOLIDATOR] = consolidator
+    app[COUNTERS] = counters
     app[RETRIEVER] = retriever
     app[MEMORY] = service
     event(
@@ -173,12 +193,7 @@ async def _open_memory(
 async def _load_embedder(settings: Settings) -> Embedder | None:
     cfg = settings.embedder
     try:
-        embedder = create_embedder(
-            cfg.model,
-            cache_dir=cfg.cache_dir or None,
-            threads=cfg.threads,
-            batch_size=cfg.batch_size,
-        )
+        embedder = from_settings(cfg)
         await embedder.load()
         return embedder
     except Exception as exc:  # memory degrades to full-text search; the proxy still runs
@@ -400,6 +415,9 @@ async def metrics(request: web.Request) -> web.Response:
     if memory is not None:
         values["engram_turns_archived_total"] = memory.archived_turns
         values["engram_embed_failures_total"] = memory.embed_failures
+        for name, value in app[COUNTERS].current().items():
+            values[f"engram_{name}_total"] = value
+        values["engram_facts_stored_total"] = app[CONSOLIDATOR].facts_stored
     text = "".join(f"{k} {v:g}\n" for k, v in values.items())
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

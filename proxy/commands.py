@@ -19,13 +19,14 @@ from typing import Any, TextIO
 from proxy import admin_api as api
 from proxy.config import Settings
 from proxy.doctor import database_path, run_doctor
-from proxy.embedder import Embedder, create_embedder
+from proxy.embedder import Embedder, from_settings
 from proxy.errors import BadRequest, EngramError
 from proxy.importer import ImportReport, import_records
 from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.progress import Progress
 from proxy.redact import redact
 from proxy.retrieval import Retriever
+from proxy.stats import memory_counts, read_counters, token_figures
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]
@@ -68,12 +69,7 @@ async def open_embedder(settings: Settings, store: Store) -> Embedder | None:
     """The configured embedder, or None (with a warning) when it cannot be used here."""
     cfg = settings.embedder
     try:
-        embedder = create_embedder(
-            cfg.model,
-            cache_dir=cfg.cache_dir or None,
-            threads=cfg.threads,
-            batch_size=cfg.batch_size,
-        )
+        embedder = from_settings(cfg)
         await embedder.load()
     except Exception as exc:
         print(
@@ -271,7 +267,15 @@ async def stats(args: argparse.Namespace, settings: Settings, store: Store) -> i
         user: {"sessions": len(await store.list_sessions(user)), "turns": st.per_user.get(user, 0)}
         for user in await store.list_users()
     }
-    data = {**dataclasses.asdict(st), "db": str(store.path), "per_user": per_user}
+    tokens = token_figures(await store.read(read_counters), settings)
+    loop = await store.read(memory_counts)
+    data = {
+        **dataclasses.asdict(st),
+        "db": str(store.path),
+        "per_user": per_user,
+        "tokens": tokens,
+        **loop,
+    }
     if args.json:
         _print_json(data)
         return 0
@@ -280,7 +284,31 @@ async def stats(args: argparse.Namespace, settings: Settings, store: Store) -> i
     print(f"{'size':<15} {st.db_bytes / 1e6:.2f} MB (+ {st.wal_bytes / 1e6:.2f} MB WAL)")
     for user, c in per_user.items():
         print(f"  {user:<30} {c['sessions']:>6} sessions {c['turns']:>8} turns")
+    for line in loop_lines(tokens, loop):
+        print(line)
     return 0
+
+
+def loop_lines(tokens: dict[str, Any], loop: dict[str, Any]) -> list[str]:
+    """The token figures and the feedback loop's counts, as ``engram stats`` prints them."""
+
+    def spent(name: str) -> str:
+        return (
+            f"{tokens[name]} ({tokens[name + '_share']:.2%} of proxied; "
+            f"budget {tokens[name + '_budget_share']:.0%})"
+        )
+
+    q, fb = loop["queue"], loop["feedback"]
+    return [
+        f"{'tokens proxied':<15} {tokens['proxied']}",
+        f"  {'summaries':<13} {spent('summaries')}  (rolling summaries and hand-backs)",
+        f"  {'consolidation':<13} {spent('consolidation')}",
+        f"{'hand-backs':<15} {loop['handbacks']}",
+        f"{'facts':<15} {loop['facts']}",
+        f"{'feedback':<15} {fb['unhelpful']} flagged, {fb['helpful']} helpful "
+        f"({loop['requests']} requests recorded)",
+        f"{'queue':<15} {q['pending']} pending, {q['done']} done, {q['failed']} failed",
+    ]
 
 
 COMMANDS: dict[str, Command] = {

@@ -191,6 +191,14 @@ class RetrievalSettings:
         0.5, "MMR trade-off: 1 is pure relevance, 0 pure diversity.", min=0, max=1
     )
     stop_words: bool = opt(True, "Drop English stop words from the FTS5 query.")
+    fts_common_share: float = opt(
+        0.3,
+        "Leave out of the FTS5 query the words held by more than this share of all stored "
+        "turns (they barely move BM25's ranking, yet FTS5 scores every row they match: at "
+        "100k turns this halves the search); 1 keeps every word.",
+        min=0,
+        max=1,
+    )
 
 
 @dataclass(frozen=True)
@@ -255,6 +263,61 @@ class SessionsSettings:
 
 
 @dataclass(frozen=True)
+class FeedbackSettings:
+    """[feedback] — the record of recent chat requests that feedback can name."""
+
+    keep_requests: int = opt(
+        10_000,
+        "Recent chat requests remembered per user (query, session, injected memory ids) so "
+        "POST /engram/api/feedback can name one by its X-Engram-Request-Id.",
+        min=1,
+    )
+    keep_days: float = opt(
+        30.0,
+        "Days a chat request stays in that record (flagged ones stay until consolidated).",
+        min=0.01,
+    )
+
+
+@dataclass(frozen=True)
+class ConsolidationSettings:
+    """[consolidation] — flagged requests distilled into facts by the upstream, in the
+    background."""
+
+    budget_share: float = opt(
+        0.05,
+        "Consolidation tokens never exceed this share of the tokens proxied (its own budget, "
+        "apart from the summariser's); over it, flagged requests wait.",
+        min=0,
+        max=1,
+    )
+    interval: float = opt(
+        60.0,
+        "Seconds between background passes over the queue (0: only POST "
+        "/engram/api/consolidate runs it).",
+        min=0,
+    )
+    batch: int = opt(10, "Flagged requests one pass takes at most.", min=1, max=1000)
+    candidates: int = opt(
+        200,
+        "Candidates taken from each search path for a flagged request (the hot path takes "
+        "retrieval.candidates).",
+        min=1,
+        max=1000,
+    )
+    top_k: int = opt(20, "Turns found per flagged request, before neighbours are added.", min=1)
+    neighbours: int = opt(
+        2, "Turns on each side of a found turn (same session) shown to the model too.", min=0
+    )
+    max_facts: int = opt(8, "Most facts kept from one flagged request.", min=1, max=100)
+    max_tokens: int = opt(300, "Most tokens the model may answer with.", min=32, max=4096)
+    max_attempts: int = opt(
+        3, "Tries per flagged request (upstream failure, junk reply) before it is failed.", min=1
+    )
+    timeout: float = opt(300.0, "Seconds one consolidation request may take.", min=1)
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
@@ -266,6 +329,8 @@ class Settings:
     prompt: PromptSettings = field(default_factory=PromptSettings)
     summary: SummarySettings = field(default_factory=SummarySettings)
     sessions: SessionsSettings = field(default_factory=SessionsSettings)
+    feedback: FeedbackSettings = field(default_factory=FeedbackSettings)
+    consolidation: ConsolidationSettings = field(default_factory=ConsolidationSettings)
 
 
 # --- introspection -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 # Letters and digits; "_" and everything else separate tokens, as in FTS5's unicode61.
 _TOKEN = re.compile(r"[^\W_]+")
@@ -49,24 +49,38 @@ def tokens(text: str) -> list[str]:
     return _TOKEN.findall(unicodedata.normalize("NFC", text))
 
 
+def query_words(
+    text: str,
+    *,
+    stop_words: Collection[str] | None = STOP_WORDS,
+    max_terms: int = DEFAULT_MAX_TERMS,
+) -> list[str]:
+    """The words of ``text`` an FTS5 query searches for, in order.
+
+    Tokens are lower-cased and de-duplicated; stop words are dropped unless that leaves nothing,
+    in which case every token is kept; the first ``max_terms`` are kept. ``stop_words=None``
+    keeps every token.
+    """
+    words = list(dict.fromkeys(t.lower() for t in tokens(text)))
+    if stop_words is not None:
+        words = [w for w in words if w not in stop_words] or words
+    return words[:max_terms]
+
+
+def match_of(words: Sequence[str]) -> str | None:
+    """The ``MATCH`` expression for some words: each quoted, joined by ``OR``; None if none."""
+    return " OR ".join(quote(w) for w in words) if words else None
+
+
 def to_match(
     text: str,
     *,
     stop_words: Collection[str] | None = STOP_WORDS,
     max_terms: int = DEFAULT_MAX_TERMS,
 ) -> str | None:
-    """A safe ``MATCH`` expression for ``text``, or ``None`` when nothing searchable is left.
-
-    Tokens are lower-cased and de-duplicated; stop words are dropped unless that
-    leaves nothing, in which case every token is kept; the first ``max_terms`` distinct tokens
-    are kept. ``stop_words=None`` keeps every token.
-    """
-    words = list(dict.fromkeys(t.lower() for t in tokens(text)))
-    if stop_words is not None:
-        words = [w for w in words if w not in stop_words] or words
-    if not words:
-        return None
-    return " OR ".join(quote(w) for w in words[:max_terms])
+    """A safe ``MATCH`` expression for ``text``, or ``None`` when nothing searchable is left
+    (:func:`query_words` joined by :func:`match_of`)."""
+    return match_of(query_words(text, stop_words=stop_words, max_terms=max_terms))
 
 
 def quote(term: str) -> str:

@@ -29,6 +29,7 @@ from typing import Any
 from proxy.config import Settings
 from proxy.embedder import Embedder
 from proxy.errors import NestingLimitExceeded, ParentNotFound
+from proxy.feedback import Feedback
 from proxy.handback import Handback
 from proxy.identity import (
     Identity,
@@ -89,6 +90,7 @@ class MemoryTurn:
     model: str | None = None
     assembly: Assembly | None = None
     summary: str | None = None
+    previous_start: int | None = None  # where this conversation's last window began
     placement: Placement | None = None
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
@@ -280,6 +282,7 @@ class MemoryService:
         context_size: Callable[[str | None], Awaitable[int | None]] | None = None,
         summarizer: Summarizer | None = None,
         handback: Handback | None = None,
+        feedback: Feedback | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -290,6 +293,7 @@ class MemoryService:
         self.context_size = context_size
         self.summarizer = summarizer
         self.handback = handback
+        self.feedback = feedback
         self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: OrderedDict[str, tuple[float, Assembly]] = OrderedDict()
@@ -336,6 +340,19 @@ class MemoryService:
         if write and a is not None and a.rewritten and mt.placement is not None:
             self._schedule_summary(mt, a.window_start)
         return mt
+
+    def record_request(self, request_id: str, mt: MemoryTurn) -> None:
+        """Remember the request (in the background) so that feedback can name it."""
+        if self.feedback is None or mt.skipped is not None:
+            return
+        self.feedback.record(
+            request_id,
+            mt.identity.user,
+            mt.placement.session.id if mt.placement is not None else None,
+            _last_user_text(mt.messages),
+            mt.injected,
+            mt.model,
+        )
 
     def _schedule_summary(self, mt: MemoryTurn, upto: int) -> None:
         """Fold what aged out of the window into the session's summary, after the archive."""
@@ -413,6 +430,9 @@ class MemoryService:
             sid = mt.placement.session.id
             found = await self.store.read(lambda c: get_summary(c, sid))
             mt.summary = found.content if found else None
+        if mt.placement is not None:
+            last = self.last_requests.get(mt.placement.session.id)
+            mt.previous_start = last[1].window_start if last and last[1].rewritten else None
         mem_room = s.retrieval.budget_tokens if recall else 0
         draft = assemble(
             mt.messages,
@@ -422,6 +442,7 @@ class MemoryService:
             mode=s.prompt.mode,
             whole_share=s.prompt.whole_share,
             summary=mt.summary,
+            previous_start=mt.previous_start,
         )
         memories = await self._recall(mt, draft.window_start) if recall else []
         final = self._assemble(mt, memories, budget, count, count_text)
@@ -460,6 +481,7 @@ class MemoryService:
             mode=s.prompt.mode,
             whole_share=s.prompt.whole_share,
             summary=mt.summary,
+            previous_start=mt.previous_start,
         )
 
     async def _recall(self, mt: MemoryTurn, window_start: int) -> list[Memory]:
@@ -481,6 +503,8 @@ class MemoryService:
             return text_hash(turn.content[:EMBED_CHARS]) not in present
 
         session = mt.placement.session if mt.placement else None
+        if session is None and mt.identity.parent is not None:
+            return []  # a sub-agent with nothing stored yet (read-only) has nothing of its own
         # A sub-agent recalls from its own session only: never a sibling's or its parent's turns.
         scope = [session.id] if session is not None and session.parent_id else None
         extra: list[Memory] = []

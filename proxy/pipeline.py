@@ -227,6 +227,10 @@ class ChatPipeline:
             log.exception("memory stages failed; forwarding the request unchanged")
             return
         turn.memory = mt
+        try:
+            self.memory.record_request(turn.request_id, mt)
+        except Exception:
+            log.exception("recording the request for feedback failed")
         if mt.placement is not None:
             turn.response_headers["X-Engram-Session"] = mt.placement.session.id
         turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
@@ -256,6 +260,8 @@ class ChatPipeline:
         if self.memory is None or turn.memory is None or turn.reply is None:
             return
         if turn.status != 200 or turn.memory.placement is None:
+            return
+        if turn.mode not in ("on", "write-only"):  # read-only recalls, it never stores
             return
         await self.memory.after_reply(turn.memory, turn.reply.message(), turn.reply.complete)
 

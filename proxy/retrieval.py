@@ -15,7 +15,7 @@ import numpy as np
 
 from proxy.config import RetrievalSettings
 from proxy.embedder import Embedder
-from proxy.fts_query import STOP_WORDS, to_match
+from proxy.fts_query import STOP_WORDS, match_of, query_words
 from proxy.fusion import Fused, mmr, rrf
 from proxy.store.db import Connection
 from proxy.store.models import Turn
@@ -68,11 +68,12 @@ class Retriever:
         skip = list(exclude_sessions)
         want_fts = mode in ("hybrid", "fts")
         want_vec = mode in ("hybrid", "vec") and self.embedder is not None
-        match = (
-            to_match(query, stop_words=STOP_WORDS if s.stop_words else None) if want_fts else None
+        words = (
+            query_words(query, stop_words=STOP_WORDS if s.stop_words else None) if want_fts else []
         )
 
         async def fts() -> list[int]:
+            match = match_of(await self._uncommon(words))
             if match is None:
                 return []
             rows = await self.store.fts_search(
@@ -108,6 +109,16 @@ class Retriever:
         if (s.mmr if use_mmr is None else use_mmr) and qvec is not None and len(kept) > 1:
             kept = await self._mmr(kept, qvec, k)
         return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
+
+    async def _uncommon(self, words: list[str]) -> list[str]:
+        """``words`` without those stored turns hold too often to be worth searching for
+        (``fts_common_share``); when every word is that common, the rarest one."""
+        share = self.settings.fts_common_share
+        if len(words) < 2 or share >= 1.0:
+            return words
+        shares = await self.store.fts_word_shares(words)
+        kept = [w for w in words if shares.get(w, 0.0) <= share]
+        return kept or [min(words, key=lambda w: shares.get(w, 0.0))]
 
     async def _mmr(self, fused: list[Fused[int]], qvec: Vector, k: int) -> list[Fused[int]]:
         pool = fused[: max(k * 4, 20)]

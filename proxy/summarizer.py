@@ -296,19 +296,26 @@ class Summarizer:
         return reply
 
     async def _call(self, body: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
-        url = join_url(self.upstream.base, "/v1/chat/completions")
-        timeout = aiohttp.ClientTimeout(total=self.settings.summary.timeout)
-        async with self.upstream.session.post(
-            url,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-            timeout=timeout,
-        ) as resp:
-            raw = await resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"upstream answered {resp.status}: {raw[:200]!r}")
-        obj = json.loads(raw)
-        choice = (obj.get("choices") or [{}])[0]
-        content = (choice.get("message") or {}).get("content")
-        usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
-        return (content if isinstance(content, str) else None), usage
+        return await chat_call(self.upstream, body, self.settings.summary.timeout)
+
+
+async def chat_call(
+    upstream: Upstream, body: dict[str, Any], timeout: float
+) -> tuple[str | None, dict[str, Any] | None]:
+    """One non-streamed chat request to the upstream for Engram's own background work: the
+    reply's text and its ``usage``. Raises on a transport error or a status other than 200."""
+    url = join_url(upstream.base, "/v1/chat/completions")
+    async with upstream.session.post(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=timeout),
+    ) as resp:
+        raw = await resp.read()
+    if resp.status != 200:
+        raise RuntimeError(f"upstream answered {resp.status}: {raw[:200]!r}")
+    obj = json.loads(raw)
+    choice = (obj.get("choices") or [{}])[0]
+    content = (choice.get("message") or {}).get("content")
+    usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+    return (content if isinstance(content, str) else None), usage

@@ -92,7 +92,6 @@ def test_stop_words_are_nltks_english_list() -> None:
     assert to_match("What didn't Melanie paint?") == '"melanie" OR "paint"'
 
 
-
 def test_finds_documents(fts: Connection) -> None:
     assert search(fts, "When did Caroline go to the support group?") == [1]
     assert search(fts, "who painted sunrises?") == [2]  # porter: sunrises -> sunris

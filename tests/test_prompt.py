@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -203,13 +204,14 @@ def test_stable_mode_keeps_the_window_start_between_cuts() -> None:
     start = None
     for i in range(60):
         msgs += [{"role": "user", "content": f"question {i} " * 15}]
-        out = assemble(msgs, budget=800, count=count, count_text=tok, mode="stable",
-                       previous_start=start)
+        out = assemble(
+            msgs, budget=800, count=count, count_text=tok, mode="stable", previous_start=start
+        )
         assert not template_violations(out.messages) and out.tokens <= 800
         if out.rewritten:
             start = out.window_start
         prefixes.append(json.dumps(out.messages[:-1]))
         msgs.append({"role": "assistant", "content": f"answer {i} " * 15})
     # Most turns extend the previous prompt byte for byte: the window moves only at cuts.
-    extended = sum(b.startswith(a[:-1]) for a, b in zip(prefixes, prefixes[1:], strict=False))
+    extended = sum(b.startswith(a[:-1]) for a, b in itertools.pairwise(prefixes))
     assert extended >= 0.7 * (len(prefixes) - 1)

@@ -20,6 +20,7 @@ from proxy.store import (
     SessionNotFound,
     Store,
     message_hash,
+    search,
     text_hash,
 )
 from proxy.store.migrations import latest_version
@@ -214,6 +215,26 @@ async def test_vec_search_scopes(store: Store, embedder: HashEmbedder, mode: str
     assert ids[7] not in {i for i, _ in hits} and len(hits) == 5
     assert await store.vec_search("alice", q, 5, session_ids=["s2"], mode=mode) == []  # type: ignore[arg-type]
     assert await store.vec_search("carol", q, 5, mode=mode) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_fts_search_finds_a_users_rows_below_other_users_better_ones(
+    store: Store, embedder: HashEmbedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pass looks at the index's best rows only; when the scope filters too many of
+    them out, the search goes on over every match."""
+    monkeypatch.setattr(search, "FTS_PROBE_MIN", 4)
+    monkeypatch.setattr(search, "FTS_PROBE_FACTOR", 1)
+    theirs = await archive(store, embedder, "big", "b1", ["beagle"] * 12)
+    filler = " ".join(f"filler{i}" for i in range(40))  # long rows: worse bm25 than "beagle"
+    mine = await archive(store, embedder, "small", "s1", [f"beagle {filler}", f"a beagle {filler}"])
+    match = to_match("beagle")
+    assert match is not None
+    assert sorted(i for i, _ in await store.fts_search("small", match, 2)) == mine
+    assert {i for i, _ in await store.fts_search("big", match, 3)} <= set(theirs)
+    others = await archive(store, embedder, "big", "b2", ["beagle"] * 2)
+    hits = await store.fts_search("big", match, 3, exclude_sessions=["b1"])
+    assert [i for i, _ in hits] == others
 
 
 @pytest.mark.asyncio

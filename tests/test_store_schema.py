@@ -99,7 +99,12 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "incomplete",
         "source_session",
     ]
-    assert _objects(conn, "trigger") == {"turns_ai", "turns_au", "turns_ad"}
+    assert _objects(conn, "trigger") == {"turns_ai", "turns_au", "turns_ad", "sessions_ad_facts"}
+    assert {"requests", "feedback", "consolidation_queue", "counters"} <= tables
+    fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(requests)")}
+    assert ("sessions", "session_id", "CASCADE") in fks and ("users", "user_id", "CASCADE") in fks
+    fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(consolidation_queue)")}
+    assert ("requests", "request_id", "CASCADE") in fks
     assert {"turns_user", "turns_user_hash", "turns_embed_hash", "sessions_user"} <= _objects(
         conn, "index"
     )
@@ -125,6 +130,11 @@ def test_fts5_is_contentless_with_the_configured_tokenizer(conn: Connection) -> 
     assert _columns(conn, "turns_fts") == ["body", "ctx", "date"]
     # no second copy of the text: the index's own tables hold no content table
     assert "turns_fts_content" not in _objects(conn, "table")
+    # its vocabulary: rows per term
+    (vocab,) = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE name = 'turns_fts_terms'"
+    ).fetchone()
+    assert "fts5vocab(turns_fts, row)" in vocab
 
 
 def test_vec0_table_is_partitioned_by_user(conn: Connection) -> None:

@@ -26,7 +26,8 @@ Conventions the schema fixes (migration 1):
   only databases created afterwards; an existing database needs a new migration that recreates
   ``turns_fts`` and its triggers and re-inserts every turn (``INSERT INTO turns_fts(rowid, body,
   ctx, date) SELECT ... FROM turns``). ``contentless_delete`` needs SQLite 3.43 or newer
-  (:func:`proxy.store.db.driver` picks a driver that has it).
+  (:func:`proxy.store.db.driver` picks a driver that has it). ``turns_fts_terms`` is its
+  ``fts5vocab`` (``row``): how many rows hold each term.
 - ``turn_vec`` is a sqlite-vec ``vec0`` table keyed by ``turn_id`` (= ``turns.id``), partitioned
   by ``user_id`` so a KNN scans one namespace's vectors only, with ``session_id`` and
   ``indexed`` metadata columns for filtering inside the KNN. ``embedding_bits`` is the sign-bit
@@ -38,6 +39,10 @@ Conventions the schema fixes (migration 1):
 - ``turns.embed_hash`` is the hash of the exact text a turn's vector was computed from; a new
   turn whose text was embedded before reuses that vector instead of embedding it again.
 - ``meta`` holds key/value facts about the database (e.g. the embedding model of ``turn_vec``).
+- Migration 4 (the feedback loop): ``requests`` records recent chat requests (pruned in the
+  background), ``feedback`` and ``consolidation_queue`` hang off them by ``request_id``
+  (cascade), ``counters`` holds running token totals, and the ``sessions_ad_facts`` trigger
+  deletes the facts (``role = 'fact'``) whose ``source_session`` is deleted.
 """
 
 from __future__ import annotations
@@ -227,6 +232,8 @@ def _m001_initial(conn: Connection) -> None:
             content = '', contentless_delete = 1,
             tokenize = '{FTS_TOKENIZE}'
         );
+        -- How many rows hold each indexed term (for leaving very common words out of queries).
+        CREATE VIRTUAL TABLE turns_fts_terms USING fts5vocab(turns_fts, row);
 
         CREATE VIRTUAL TABLE turn_vec USING vec0(
             turn_id   INTEGER PRIMARY KEY,
@@ -271,12 +278,74 @@ def _m003_items_and_completion(conn: Connection) -> None:
     )
 
 
+def _m004_feedback(conn: Connection) -> None:
+    """The feedback loop: recent chat requests, feedback on them, the consolidation queue, token
+    counters that outlive the process; facts go with the session they were distilled from."""
+    _execute_script(
+        conn,
+        """
+        -- One row per chat request (kept for feedback.keep_days / feedback.keep_requests).
+        CREATE TABLE requests (
+            id          TEXT PRIMARY KEY,       -- X-Engram-Request-Id
+            user_id     TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+            session_id  TEXT REFERENCES sessions(id) ON DELETE CASCADE,
+            model       TEXT,
+            query       TEXT NOT NULL,          -- the last user message, redacted
+            memory_ids  TEXT NOT NULL DEFAULT '[]',  -- JSON array of injected turn ids
+            created_at  REAL NOT NULL
+        );
+        CREATE INDEX requests_user ON requests(user_id, created_at);
+        CREATE INDEX requests_session ON requests(session_id);
+        CREATE INDEX requests_time ON requests(created_at);
+
+        CREATE TABLE feedback (
+            id          INTEGER PRIMARY KEY,
+            request_id  TEXT NOT NULL REFERENCES requests(id) ON DELETE CASCADE,
+            user_id     TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+            helpful     INTEGER NOT NULL CHECK (helpful IN (0, 1)),
+            source      TEXT NOT NULL,          -- 'api', or what flagged it (e.g. 'expired_slot')
+            note        TEXT,
+            created_at  REAL NOT NULL
+        );
+        CREATE INDEX feedback_request ON feedback(request_id);
+        CREATE INDEX feedback_user ON feedback(user_id);
+
+        CREATE TABLE consolidation_queue (
+            request_id  TEXT PRIMARY KEY REFERENCES requests(id) ON DELETE CASCADE,
+            user_id     TEXT NOT NULL REFERENCES users(id) ON DELETE CASCADE,
+            status      TEXT NOT NULL DEFAULT 'pending'
+                        CHECK (status IN ('pending', 'done', 'failed')),
+            attempts    INTEGER NOT NULL DEFAULT 0,
+            facts       INTEGER NOT NULL DEFAULT 0,   -- new facts stored for it
+            error       TEXT,                         -- why the last try failed
+            created_at  REAL NOT NULL,
+            updated_at  REAL NOT NULL
+        );
+        CREATE INDEX consolidation_status ON consolidation_queue(status, updated_at);
+        CREATE INDEX consolidation_user ON consolidation_queue(user_id, status);
+
+        -- Running totals (tokens proxied, spent on summaries, on consolidation), added to by
+        -- every process that serves this database.
+        CREATE TABLE counters (
+            name  TEXT PRIMARY KEY,
+            value INTEGER NOT NULL DEFAULT 0
+        );
+
+        -- Forgetting a session forgets the facts distilled from it.
+        CREATE TRIGGER sessions_ad_facts AFTER DELETE ON sessions BEGIN
+            DELETE FROM turns WHERE role = 'fact' AND source_session = old.id;
+        END;
+        """,
+    )
+
+
 Migration = Callable[[Connection], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (1, _m001_initial),
     (2, _m002_summaries),
     (3, _m003_items_and_completion),
+    (4, _m004_feedback),
 )
 """(version, function), ascending. Append only."""
 

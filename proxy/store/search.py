@@ -14,11 +14,13 @@ Vector search has two plans over the same ``turn_vec`` partition:
 - exact: vec0 KNN on the float32 ``embedding`` (cosine); cost grows with the partition
   (measured p50 3.5 ms at 10k vectors, 33 ms at 100k, 2-core machine);
 - quantised: vec0 KNN on the sign bits ``embedding_bits`` (Hamming) for
-  ``QUANTIZED_OVERSAMPLE`` times as many candidates as wanted, re-scored by exact cosine
-  (11 ms at 100k for 10 results; recall@10 against exact 0.86-0.93 there, 0.96 at 10k).
-  vec0's KNN cost also grows with k (about 0.09 ms per unit of k at 100k), which bounds how many
-  candidates are worth fetching. Sign bits suit roughly centred embeddings such as MiniLM's;
-  vectors that share a strong common direction lose much more recall (see scripts/bench_store.py).
+  ``max(QUANTIZED_MIN_K, QUANTIZED_OVERSAMPLE * wanted)`` candidates, re-scored by exact cosine.
+  vec0's KNN cost grows with k (about 0.1 ms per unit of k at 100k), so the oversampling is
+  small: with 50 wanted from 100k MiniLM vectors of LoCoMo text, k=100 took 12 ms (k=500: 61 ms,
+  more than the exact plan's 38) for recall@10 0.92 / recall@50 0.73 against exact, and the
+  hybrid top 6 kept 98% of the exact plan's (scripts/bench_retrieval.py). Sign bits suit roughly
+  centred embeddings such as MiniLM's; vectors that share a strong common direction lose much
+  more recall (see scripts/bench_store.py).
 
 :class:`~proxy.store.store.Store` picks the plan (``auto``: quantised above
 ``QUANTIZED_ABOVE`` turns).
@@ -26,12 +28,14 @@ Vector search has two plans over the same ``turn_vec`` partition:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import numpy as np
 
-from proxy.store.db import Connection
+from proxy.store.db import Connection, driver
+from proxy.store.migrations import FTS_TOKENIZE
 from proxy.store.queries import check_vector, json_list
 from proxy.vectors import Vector, as_vector, to_blob
 
@@ -39,12 +43,22 @@ VecMode = Literal["auto", "exact", "quantized"]
 
 QUANTIZED_ABOVE = 20_000
 """In ``auto`` mode, users with more turns than this are searched through the bit vectors."""
-QUANTIZED_OVERSAMPLE = 10
-"""The bit-vector KNN fetches this many candidates per result wanted (at least 100)."""
+QUANTIZED_OVERSAMPLE = 2
+QUANTIZED_MIN_K = 100
+"""The bit-vector KNN fetches ``QUANTIZED_OVERSAMPLE`` candidates per result wanted, and at
+least ``QUANTIZED_MIN_K``, to re-score by exact cosine."""
 VEC_MAX_K = 4096  # sqlite-vec's limit on k
 VEC_EXCLUDE_IN_KNN = 8
 """Excluded sessions filtered inside vec0's KNN (``session_id != ?`` each); sqlite-vec 0.1.9
 plans a KNN with at most 16 constraints."""
+
+FTS_PROBE_FACTOR = 4
+FTS_PROBE_MIN = 200
+""":func:`fts_search` first checks the scope of the best ``max(FTS_PROBE_MIN,
+FTS_PROBE_FACTOR * limit)`` rows of the whole index."""
+FTS_PROBE_USER_SHARE = 0.5
+""":class:`~proxy.store.store.Store` skips that first step for users holding less than this
+share of all turns: their rows would seldom be among the index's best."""
 
 FTS_WEIGHTS: tuple[float, float, float] = (1.0, 0.3, 1.0)
 """bm25 weights of ``turns_fts``'s columns ``body``, ``ctx``, ``date``. Measured on LoCoMo
@@ -61,41 +75,121 @@ def fts_search(
     exclude_ids: Iterable[int],
     exclude_sessions: Sequence[str] = (),
     weights: Sequence[float] = FTS_WEIGHTS,
+    probe_first: bool = True,
 ) -> list[tuple[int, float]]:
     """(turn id, bm25) best first; bm25 is FTS5's (lower is better, usually negative).
 
     ``match`` must be a safe FTS5 expression (see :mod:`proxy.fts_query`). With
     ``session_ids=None`` the user's indexed sessions are searched, else exactly those sessions;
     turns of ``exclude_sessions`` are left out either way. ``weights``: one per column.
+
+    Plan: FTS5 scores every matching row of the whole index (all users) either way; joining
+    each of them to ``turns`` and ``sessions`` for the scope costs as much again. So the best
+    ``FTS_PROBE_FACTOR * limit`` rows of the index are taken first and only those are checked
+    against the scope; when that leaves fewer than ``limit`` (another user's rows, excluded
+    sessions), the search runs again with the scope joined to every match. ``probe_first=False``
+    goes straight to that (for a user holding a small part of the index).
     """
     if limit <= 0:
         return []
     if len(weights) != len(FTS_WEIGHTS):
         raise ValueError(f"weights needs {len(FTS_WEIGHTS)} values (body, ctx, date)")
+    w = [float(x) for x in weights]
+    excluded = set(exclude_ids)
+    joins, where, scope_args = _fts_scope(user_id, session_ids, exclude_sessions)
+    if probe_first:
+        probe = max(FTS_PROBE_MIN, FTS_PROBE_FACTOR * (limit + len(excluded)))
+        best = conn.execute(
+            "SELECT rowid, bm25(turns_fts, ?, ?, ?) AS score FROM turns_fts"
+            " WHERE turns_fts MATCH ? ORDER BY score, rowid LIMIT ?",
+            [*w, match, probe],
+        ).fetchall()
+        in_scope = {
+            int(r[0])
+            for r in conn.execute(
+                f"SELECT t.id FROM turns t{joins} WHERE t.id IN (SELECT value FROM json_each(?))"
+                + where,
+                [json_list(r[0] for r in best), *scope_args],
+            )
+        }
+        hits = [(int(r[0]), float(r[1])) for r in best if r[0] in in_scope and r[0] not in excluded]
+        if len(hits) >= limit or len(best) < probe:  # enough, or every match was seen
+            return hits[:limit]
     sql = (
         "SELECT turns_fts.rowid, bm25(turns_fts, ?, ?, ?) AS score"
-        " FROM turns_fts JOIN turns t ON t.id = turns_fts.rowid"
+        f" FROM turns_fts JOIN turns t ON t.id = turns_fts.rowid{joins}"
+        " WHERE turns_fts MATCH ?" + where
     )
-    args: list[Any] = [float(w) for w in weights]
-    if session_ids is None:
-        sql += " JOIN sessions s ON s.id = t.session_id"
-    sql += " WHERE turns_fts MATCH ? AND t.user_id = ?"
-    args += [match, user_id]
-    if session_ids is None:
-        sql += " AND s.indexed = 1"
-    else:
-        sql += " AND t.session_id IN (SELECT value FROM json_each(?))"
-        args.append(json_list(session_ids))
-    if exclude_sessions:
-        sql += " AND t.session_id NOT IN (SELECT value FROM json_each(?))"
-        args.append(json_list(exclude_sessions))
-    excluded = list(exclude_ids)
+    args: list[Any] = [*w, match, *scope_args]
     if excluded:
         sql += " AND turns_fts.rowid NOT IN (SELECT value FROM json_each(?))"
         args.append(json_list(excluded))
     sql += " ORDER BY score, turns_fts.rowid LIMIT ?"
     args.append(limit)
     return [(int(r[0]), float(r[1])) for r in conn.execute(sql, args)]
+
+
+_tokenizer = threading.local()
+
+
+def _stems(words: Sequence[str]) -> list[list[str]]:
+    """The terms FTS5's tokenizer makes of each word (porter stems), through a private
+    in-memory FTS5 table of the same tokenizer on this thread."""
+    tok = getattr(_tokenizer, "conn", None)
+    if tok is None:
+        tok = driver().module.connect(":memory:", isolation_level=None, check_same_thread=False)
+        tok.execute(
+            f"CREATE VIRTUAL TABLE tok USING fts5(x, content = '', tokenize = '{FTS_TOKENIZE}')"
+        )
+        tok.execute("CREATE VIRTUAL TABLE tok_terms USING fts5vocab(tok, instance)")
+        _tokenizer.conn = tok
+    tok.executemany("INSERT INTO tok(rowid, x) VALUES (?, ?)", list(enumerate(words, 1)))
+    out: list[list[str]] = [[] for _ in words]
+    for doc, term in tok.execute("SELECT doc, term FROM tok_terms"):
+        out[int(doc) - 1].append(str(term))
+    tok.execute("INSERT INTO tok(tok) VALUES ('delete-all')")
+    return out
+
+
+def term_rows(conn: Connection, words: Sequence[str]) -> dict[str, int]:
+    """How many rows of ``turns_fts`` (all users) hold each word, as a query for it matches.
+
+    A lookup in the ``turns_fts_terms`` vocabulary per term, far cheaper than the search.
+    """
+    stems = _stems(words)
+    wanted = sorted({t for ts in stems for t in ts})
+    counts = {
+        str(term): int(n)
+        for term, n in conn.execute(
+            "SELECT term, doc FROM turns_fts_terms WHERE term IN (SELECT value FROM json_each(?))",
+            (json_list(wanted),),
+        )
+    }
+    # A word of several terms is a phrase: it matches at most as often as its rarest term.
+    return {
+        w: min((counts.get(t, 0) for t in ts), default=0)
+        for w, ts in zip(words, stems, strict=True)
+    }
+
+
+def _fts_scope(
+    user_id: str, session_ids: Sequence[str] | None, exclude_sessions: Sequence[str]
+) -> tuple[str, str, list[Any]]:
+    """Joins, WHERE conditions (each starting with " AND") and arguments that confine turns
+    ``t`` to the search scope."""
+    joins = ""
+    where = " AND t.user_id = ?"
+    args: list[Any] = [user_id]
+    if session_ids is None:
+        joins = " JOIN sessions s ON s.id = t.session_id"
+        where += " AND s.indexed = 1"
+    else:
+        where += " AND t.session_id IN (SELECT value FROM json_each(?))"
+        args.append(json_list(session_ids))
+    if exclude_sessions:
+        where += " AND t.session_id NOT IN (SELECT value FROM json_each(?))"
+        args.append(json_list(exclude_sessions))
+    return joins, where, args
 
 
 def vec_search(
@@ -150,7 +244,7 @@ def vec_search(
         ).fetchall()
         hits = [(int(r[0]), float(r[1])) for r in rows]
     else:
-        k = min(VEC_MAX_K, max(100, want * QUANTIZED_OVERSAMPLE))
+        k = min(VEC_MAX_K, max(QUANTIZED_MIN_K, want * QUANTIZED_OVERSAMPLE))
         candidates = [
             r[0]
             for r in conn.execute(

@@ -35,6 +35,7 @@ Public surface (all ``async`` except the constructor)::
     get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=()) -> [(id, bm25)]
+    fts_word_shares(words) -> {word: share of all turns holding it}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
@@ -347,8 +348,10 @@ class Store:
         sessions = list(session_ids) if session_ids is not None else None
         excluded = list(exclude_ids)
         skip = list(exclude_sessions)
-        return await self.read(
-            lambda c: search.fts_search(
+
+        def job(c: Connection) -> list[tuple[int, float]]:
+            mine = self._user_turn_count(c, user_id)
+            return search.fts_search(
                 c,
                 user_id,
                 match,
@@ -357,8 +360,10 @@ class Store:
                 exclude_ids=excluded,
                 exclude_sessions=skip,
                 weights=self._fts_weights,
+                probe_first=mine >= search.FTS_PROBE_USER_SHARE * self._user_turn_count(c, None),
             )
-        )
+
+        return await self.read(job)
 
     async def vec_search(
         self,
@@ -394,14 +399,32 @@ class Store:
 
         return await self.read(job)
 
-    def _user_turn_count(self, conn: Connection, user_id: str) -> int:
-        """A recent count of the user's turns (reader thread; a stale value only picks a plan)."""
-        cached = self._user_counts.get(user_id)
+    async def fts_word_shares(self, words: Sequence[str]) -> dict[str, float]:
+        """For each query word, the share of all stored turns (every user, as BM25 counts) whose
+        FTS5 row holds it; from the index's vocabulary, far cheaper than a search."""
+        words = list(dict.fromkeys(words))
+        if not words:
+            return {}
+
+        def job(c: Connection) -> dict[str, float]:
+            total = max(1, self._user_turn_count(c, None))
+            return {w: n / total for w, n in search.term_rows(c, words).items()}
+
+        return await self.read(job)
+
+    def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
+        """A recent count of the user's turns, or (``None``) of all turns (reader thread; a
+        stale value only picks a plan or weighs how common a word is)."""
+        key = "\0all" if user_id is None else user_id
+        cached = self._user_counts.get(key)
         now = time.monotonic()
         if cached is not None and now - cached[0] < _COUNT_TTL_S:
             return cached[1]
-        count = queries.count_user_turns(conn, user_id)
-        self._user_counts[user_id] = (now, count)
+        if user_id is None:
+            count = int(conn.execute("SELECT count(*) FROM turns").fetchone()[0])
+        else:
+            count = queries.count_user_turns(conn, user_id)
+        self._user_counts[key] = (now, count)
         return count
 
     # -- export, stats, meta --------------------------------------------------------------

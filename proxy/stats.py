@@ -1,0 +1,138 @@
+"""Figures of the memory loop for ``GET /engram/api/stats`` and ``engram stats``.
+
+Token figures (proxied, spent on summaries, spent on consolidation) are counted in the memory of
+the running server (:class:`proxy.summarizer.Summarizer`, :class:`proxy.consolidation.
+Consolidator`). :class:`Counters` keeps them in the ``counters`` table: it adds what each server
+counted since its last write (every ``FLUSH_EVERY`` seconds and at shutdown), so several servers
+on one database add up, and a server starts from the totals, so the budgets hold across restarts.
+``engram stats`` reads the table (up to ``FLUSH_EVERY`` seconds behind a running server).
+Everything else (hand-backs, facts, feedback, the queue) is counted in the database itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from proxy.config import Settings
+from proxy.feedback import queue_counts
+from proxy.store.db import Connection
+from proxy.store.store import Store
+
+log = logging.getLogger("engram.stats")
+
+PROXIED, SUMMARIES, CONSOLIDATION = "tokens_proxied", "tokens_summaries", "tokens_consolidation"
+COUNTER_NAMES = (PROXIED, SUMMARIES, CONSOLIDATION)
+FLUSH_EVERY = 60.0
+
+
+def read_counters(conn: Connection) -> dict[str, int]:
+    totals = dict.fromkeys(COUNTER_NAMES, 0)
+    for name, value in conn.execute("SELECT name, value FROM counters"):
+        totals[str(name)] = int(value)
+    return totals
+
+
+def add_counters(conn: Connection, deltas: Mapping[str, int]) -> None:
+    conn.executemany(
+        "INSERT INTO counters(name, value) VALUES (?, ?)"
+        " ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+        [(k, v) for k, v in deltas.items() if v],
+    )
+
+
+class ProxiedCounter(Protocol):
+    """What :class:`proxy.summarizer.Summarizer` counts."""
+
+    tokens_proxied: int
+    tokens_spent: int
+
+
+class SpentCounter(Protocol):
+    """What :class:`proxy.consolidation.Consolidator` counts."""
+
+    tokens_spent: int
+
+
+class Counters:
+    """The live token counters of this server, kept in step with the ``counters`` table."""
+
+    def __init__(
+        self, store: Store, summarizer: ProxiedCounter, consolidator: SpentCounter
+    ) -> None:
+        self.store = store
+        self.summarizer = summarizer
+        self.consolidator = consolidator
+        self._flushed = dict.fromkeys(COUNTER_NAMES, 0)
+
+    def current(self) -> dict[str, int]:
+        return {
+            PROXIED: int(self.summarizer.tokens_proxied),
+            SUMMARIES: int(self.summarizer.tokens_spent),
+            CONSOLIDATION: int(self.consolidator.tokens_spent),
+        }
+
+    async def load(self) -> None:
+        """Start from the stored totals (call before serving)."""
+        totals = await self.store.read(read_counters)
+        self.summarizer.tokens_proxied += totals[PROXIED]
+        self.summarizer.tokens_spent += totals[SUMMARIES]
+        self.consolidator.tokens_spent += totals[CONSOLIDATION]
+        self._flushed = self.current()
+
+    async def flush(self) -> None:
+        """Add what was counted since the last flush to the stored totals."""
+        now = self.current()
+        deltas = {k: now[k] - self._flushed[k] for k in COUNTER_NAMES}
+        if any(deltas.values()):
+            await self.store.write(lambda c: add_counters(c, deltas))
+        self._flushed = now
+
+    async def run(self, every: float = FLUSH_EVERY) -> None:
+        """Flush every ``every`` seconds (forever)."""
+        while True:
+            await asyncio.sleep(every)
+            try:
+                await self.flush()
+            except Exception:
+                log.exception("saving the token counters failed; will try again")
+
+
+def token_figures(totals: Mapping[str, int], settings: Settings) -> dict[str, Any]:
+    proxied = totals.get(PROXIED, 0)
+
+    def share(n: int) -> float:
+        return round(n / proxied, 6) if proxied else 0.0
+
+    return {
+        "proxied": proxied,
+        "summaries": totals.get(SUMMARIES, 0),
+        "summaries_share": share(totals.get(SUMMARIES, 0)),
+        "summaries_budget_share": settings.summary.budget_share,
+        "consolidation": totals.get(CONSOLIDATION, 0),
+        "consolidation_share": share(totals.get(CONSOLIDATION, 0)),
+        "consolidation_budget_share": settings.consolidation.budget_share,
+    }
+
+
+def memory_counts(conn: Connection, user_id: str | None = None) -> dict[str, Any]:
+    """Hand-backs, facts, recorded requests, feedback and the queue (one user's, or all)."""
+    where, args = ("", ()) if user_id is None else (" AND user_id = ?", (user_id,))
+
+    def count(sql: str) -> int:
+        return int(conn.execute(sql + where, args).fetchone()[0])
+
+    return {
+        "handbacks": count(
+            "SELECT count(*) FROM turns WHERE role = 'summary' AND source_session IS NOT NULL"
+        ),
+        "facts": count("SELECT count(*) FROM turns WHERE role = 'fact'"),
+        "requests": count("SELECT count(*) FROM requests WHERE 1"),
+        "feedback": {
+            "unhelpful": count("SELECT count(*) FROM feedback WHERE helpful = 0"),
+            "helpful": count("SELECT count(*) FROM feedback WHERE helpful = 1"),
+        },
+        "queue": queue_counts(conn, user_id),
+    }
