@@ -163,8 +163,17 @@ class EmbedderSettings:
 class RetrievalSettings:
     """[retrieval] — hybrid search and what is injected."""
 
-    top_k: int = opt(6, "Most memories injected into one request.", min=0, max=100)
-    budget_tokens: int = opt(800, "Most tokens the injected memory block may take.", min=0)
+    top_k: int = opt(20, "Most memories injected into one request.", min=0, max=100)
+    budget_tokens: int = opt(
+        2000, "Most tokens the injected memory block may take (see also budget_share).", min=0
+    )
+    budget_share: float = opt(
+        0.5,
+        "The memory block takes at most this share of the prompt budget (context size "
+        "minus the reply's room), so a small context keeps room for the conversation.",
+        min=0,
+        max=0.9,
+    )
     candidates: int = opt(
         50,
         "Candidates taken from each path (FTS5 BM25, vector KNN) before fusion.",

@@ -91,6 +91,7 @@ class MemoryTurn:
     assembly: Assembly | None = None
     summary: str | None = None
     previous_start: int | None = None  # where this conversation's last window began
+    memory_room: int = 0  # tokens the memory block may take in this request
     placement: Placement | None = None
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
@@ -433,7 +434,8 @@ class MemoryService:
         if mt.placement is not None:
             last = self.last_requests.get(mt.placement.session.id)
             mt.previous_start = last[1].window_start if last and last[1].rewritten else None
-        mem_room = s.retrieval.budget_tokens if recall else 0
+        mt.memory_room = self._memory_room(budget) if recall else 0
+        mem_room = mt.memory_room
         draft = assemble(
             mt.messages,
             budget=None if budget is None else budget - mem_room,
@@ -460,6 +462,13 @@ class MemoryService:
             while len(self.last_requests) > LAST_REQUESTS:
                 self.last_requests.popitem(last=False)
 
+    def _memory_room(self, budget: int | None) -> int:
+        """Tokens the memory block may take: its cap, and a share of the prompt budget."""
+        r = self.settings.retrieval
+        if budget is None:
+            return r.budget_tokens
+        return max(0, min(r.budget_tokens, int(r.budget_share * budget)))
+
     def _assemble(
         self,
         mt: MemoryTurn,
@@ -469,7 +478,7 @@ class MemoryService:
         count_text: Callable[[str], int],
     ) -> Assembly:
         s = self.settings
-        block, used = memory_block(memories, s.retrieval.budget_tokens, count_text)
+        block, used = memory_block(memories, mt.memory_room, count_text)
         mt.injected = [m.id for m in used]
         return assemble(
             mt.messages,

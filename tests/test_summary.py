@@ -77,7 +77,7 @@ async def test_summary_made_stored_and_used_next_turn(http: aiohttp.ClientSessio
             text = json.dumps(fwd)
             assert SUMMARY_OPEN in text and "forty numbered questions" in text
             assert not template_violations(fwd)
-            assert fwd[0] == msgs[0]
+            assert fwd[0]["content"].startswith(msgs[0]["content"])  # the prefix holds
         finally:
             await engram.close()
 
