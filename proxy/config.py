@@ -202,9 +202,9 @@ class RetrievalSettings:
     stop_words: bool = opt(True, "Drop English stop words from the FTS5 query.")
     fts_common_share: float = opt(
         0.3,
-        "Leave out of the FTS5 query the words held by more than this share of all stored "
-        "turns (they barely move BM25's ranking, yet FTS5 scores every row they match: at "
-        "100k turns this halves the search); 1 keeps every word.",
+        "Once more than 20,000 turns are stored, leave out of the FTS5 query the words held by "
+        "more than this share of them: they barely move BM25's ranking, yet FTS5 scores every "
+        "row they match (at 100k turns 0.3 cut FTS5's time by a third). 1 keeps every word.",
         min=0,
         max=1,
     )

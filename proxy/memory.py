@@ -318,6 +318,7 @@ class MemoryService:
             mt.skipped = "housekeeping"
             return mt
         write = mode in ("on", "write-only")
+        recall = mode in ("on", "read-only")
         now = time.time()
         anchor = anchor_length(messages)
         req = Request(
@@ -336,7 +337,7 @@ class MemoryService:
             mt.archive_task = self.tasks.spawn(
                 self._archive_request(mt, now), name="archive-request"
             )
-        await self._compose(mt, body, recall=mode in ("on", "read-only"))
+        await self._compose(mt, body, recall=recall)
         a = mt.assembly
         if write and a is not None and a.rewritten and mt.placement is not None:
             self._schedule_summary(mt, a.window_start)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from proxy import retrieval
 from proxy.config import RetrievalSettings
 from proxy.embedder import HashEmbedder
 from proxy.retrieval import Retriever
@@ -57,13 +58,18 @@ async def test_word_shares_count_rows_as_fts5_matches_them(tmp_path: Path) -> No
 
 
 @pytest.mark.asyncio
-async def test_words_most_turns_hold_are_left_out_of_the_fts_query(tmp_path: Path) -> None:
+async def test_words_most_turns_hold_are_left_out_of_the_fts_query(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with Store(tmp_path / "m.db") as store:
         for s in range(12):  # one turn a session: no neighbours, so shares are plain
             await store.get_or_create_session("u", f"s{s}")
             text = "hello beagle" if s == 3 else f"hello number {s}"
             await store.add_turns(f"s{s}", "u", [NewTurn(0, "user", text)])
         strict = Retriever(store, None, RetrievalSettings(fts_common_share=0.5))
+        # a small archive keeps every word
+        assert len(await strict.search("u", "hello beagle", 10, mode="fts")) == 10
+        monkeypatch.setattr(retrieval, "COMMON_WORDS_ABOVE", 10)
         hits = await strict.search("u", "hello beagle", 10, mode="fts")
         assert [h.turn.content for h in hits] == ["hello beagle"]
         every = Retriever(store, None, RetrievalSettings(fts_common_share=1.0))

@@ -35,7 +35,7 @@ Public surface (all ``async`` except the constructor)::
     get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=()) -> [(id, bm25)]
-    fts_word_shares(words) -> {word: share of all turns holding it}
+    fts_word_shares(words, *, min_turns=0) -> {word: share of all turns holding it}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
@@ -399,15 +399,20 @@ class Store:
 
         return await self.read(job)
 
-    async def fts_word_shares(self, words: Sequence[str]) -> dict[str, float]:
+    async def fts_word_shares(
+        self, words: Sequence[str], *, min_turns: int = 0
+    ) -> dict[str, float]:
         """For each query word, the share of all stored turns (every user, as BM25 counts) whose
-        FTS5 row holds it; from the index's vocabulary, far cheaper than a search."""
+        FTS5 row holds it; from the index's vocabulary, far cheaper than a search. Empty while
+        fewer than ``min_turns`` turns are stored (a recent count)."""
         words = list(dict.fromkeys(words))
         if not words:
             return {}
 
         def job(c: Connection) -> dict[str, float]:
-            total = max(1, self._user_turn_count(c, None))
+            total = self._user_turn_count(c, None)
+            if total < max(1, min_turns):
+                return {}
             return {w: n / total for w, n in search.term_rows(c, words).items()}
 
         return await self.read(job)
