@@ -61,6 +61,7 @@ log = logging.getLogger("engram.memory")
 RECALLED_ROLES = frozenset({"user", "assistant", "tool", "function", "summary", "fact"})
 # Tokens kept spare beyond the reply's room: chat templates add their own.
 PROMPT_MARGIN = 32
+PROMPT_SAFETY = 0.05  # share of the budget left unused: token estimates err by a few percent
 # Messages whose token counts are remembered (by chain hash) across requests.
 SIZE_CACHE = 50_000
 LAST_REQUESTS = 1000
@@ -385,7 +386,8 @@ class MemoryService:
         reserve = body.get("max_completion_tokens") or body.get("max_tokens")
         if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve <= 0:
             reserve = min(self.settings.prompt.reply_reserve, ctx // 4)
-        return max(0, ctx - reserve - PROMPT_MARGIN)
+        # Counts are estimates (another tokenizer, corrected on average): keep a safety share.
+        return max(0, int((ctx - reserve) * (1 - PROMPT_SAFETY)) - PROMPT_MARGIN)
 
     async def _message_sizes(self, mt: MemoryTurn) -> dict[int, int]:
         """Token counts of the client's messages by ``id()``, cached by chain hash across
@@ -404,7 +406,7 @@ class MemoryService:
                 self._sizes[h] = n
             while len(self._sizes) > SIZE_CACHE:
                 self._sizes.popitem(last=False)
-        ratio = self.tokens.ratio(mt.model) or 1.0
+        ratio = self.tokens.factor(mt.model)
         return {
             id(m): round(self._sizes[h] * ratio)
             for m, h in zip(mt.messages, mt.chains, strict=True)
@@ -425,7 +427,7 @@ class MemoryService:
             return (
                 n
                 if n is not None
-                else round(self.tokens.messages([msg]) * (self.tokens.ratio(model) or 1.0))
+                else round(self.tokens.messages([msg]) * self.tokens.factor(model))
             )
 
         if budget is not None and mt.placement is not None and self.summarizer is not None:

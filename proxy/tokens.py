@@ -27,6 +27,8 @@ _ENCODING = "cl100k_base"
 _URL = f"https://openaipublic.blob.core.windows.net/encodings/{_ENCODING}.tiktoken"
 # Per message: role and the template's delimiters (OpenAI documents 3-4 for its chat format).
 MESSAGE_OVERHEAD = 4
+# Assumed ratio of a model's tokens to cl100k_base's until its usage reports teach the real one.
+UNCALIBRATED = 1.2
 
 
 def _cache_dir() -> Path:
@@ -82,9 +84,13 @@ class TokenCounter:
 
     def count(self, text: str, model: str | None = None) -> int:
         """Tokens of ``text`` for ``model`` (corrected by what that model reported before)."""
-        n = self._count(text)
-        ratio = self._ratio.get(model or "")
-        return round(n * ratio) if ratio else n
+        return round(self._count(text) * self.factor(model))
+
+    def factor(self, model: str | None) -> float:
+        """The correction for ``model``: learned, else a cautious guess. Local models'
+        tokenizers usually split text finer than cl100k_base (SmolLM2: about 1.1x), and a
+        prompt that overflows fails outright, so an unknown model is assumed to need more."""
+        return self._ratio.get(model or "") or UNCALIBRATED
 
     def raw(self, text: str) -> int:
         """Uncorrected tiktoken count (what corrections are learned against)."""

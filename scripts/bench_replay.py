@@ -26,8 +26,9 @@ is served when all its evidence turns are in the prompt (in brackets: at least o
 the window's turns left out: beyond the memory budget, or not found at all?
 
 Settings: summary off, the default embedder (MiniLM int8), ``reply_reserve`` 256, and the fake
-reports ``n_ctx = budget + 256 + 32`` so that Engram's prompt budget (context - reply reserve -
-its 32-token margin) is exactly the budget named. Tokens are counted with ``proxy.tokens``
+reports the ``n_ctx`` (``context_for``) at which Engram's prompt budget — context minus reply
+reserve, safety share and margin, over its uncalibrated token factor — is the budget named, in
+cl100k_base tokens. Tokens are counted with ``proxy.tokens``
 (cl100k_base, the counter Engram budgets with); the fake's replies carry no ``usage``, so
 Engram learns no correction factor from made-up prompt_tokens. Prefix stability: for
 consecutive forwarded prompts of the replay, the byte length of their longest common prefix,
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import statistics
@@ -66,14 +68,23 @@ from bench_common import (
 
 from proxy.identity import content_text
 from proxy.inject import BLOCK_OPEN
-from proxy.memory import PROMPT_MARGIN
+from proxy.memory import PROMPT_MARGIN, PROMPT_SAFETY
 from proxy.prompt import SUMMARY_OPEN
-from proxy.tokens import TokenCounter, load_encoder
+from proxy.tokens import UNCALIBRATED, TokenCounter, load_encoder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLY_RESERVE = 256
+
+
+def context_for(budget: int) -> int:
+    """The n_ctx the fake reports so that Engram's prompt budget, in cl100k_base tokens, is
+    ``budget``: Engram keeps a safety share and, with no usage to learn from, scales counts by
+    its cautious uncalibrated factor."""
+    return math.ceil((budget * UNCALIBRATED + PROMPT_MARGIN) / (1 - PROMPT_SAFETY)) + REPLY_RESERVE
+
+
 ZONES = ("primacy-memory", "recency-memory", "recency-summary", "recency-window", "absent")
 TARGET_RATE, TARGET_SHARE, TARGET_BUDGET = 0.85, 0.2, 4096
 FILLER = "OK."
@@ -324,7 +335,7 @@ async def run_config(
     for name, values in overrides.items():
         sections.setdefault(name, {}).update(values)
     out: dict[str, Figures] = {}
-    async with FakeUpstream(n_ctx=budget + REPLY_RESERVE + PROMPT_MARGIN) as fake:
+    async with FakeUpstream(n_ctx=context_for(budget)) as fake:
         engram = await start_engram(fake.url, **sections)
         app = engram.app
         try:
@@ -613,7 +624,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             return {
                 "budget": budget,
                 "mode": mode,
-                "n_ctx": budget + REPLY_RESERVE + PROMPT_MARGIN,
+                "n_ctx": context_for(budget),
                 "seconds": round(time.perf_counter() - t0, 1),
                 "overall": summary(total),
                 "conversations": {k: summary(f) for k, f in figs.items()},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.tokens import TokenCounter, estimate, load_encoder
+from proxy.tokens import UNCALIBRATED, TokenCounter, estimate, load_encoder
 
 
 def test_tiktoken_loads_offline_and_counts() -> None:
@@ -15,10 +15,10 @@ def test_tiktoken_loads_offline_and_counts() -> None:
 def test_correction_learned_from_reports() -> None:
     c = TokenCounter(load_encoder())
     text = "The quick brown fox jumps over the lazy dog. " * 10
-    raw = c.count(text, "llama")
+    raw = c.raw(text)
     c.learn("llama", 100, 150)
     assert c.count(text, "llama") == round(raw * 1.5)
-    assert c.count(text, "other") == raw  # per model
+    assert c.count(text, "other") == round(raw * UNCALIBRATED)  # per model; unknown: cautious
     c.learn("llama", 100, 100)
     assert c.ratio("llama") == 0.8 * 1.5 + 0.2 * 1.0  # a moving average
     c.learn("llama", 0, 100)  # nonsense reports are ignored
@@ -43,4 +43,4 @@ def test_messages_count_includes_overhead_and_tool_calls() -> None:
 
 
 def test_estimate_without_tiktoken() -> None:
-    assert TokenCounter().count("abcdefgh") == estimate("abcdefgh") == 2
+    assert TokenCounter().raw("abcdefgh") == estimate("abcdefgh") == 2
