@@ -11,13 +11,14 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from proxy import admin_api as api
-from proxy.config import Settings
+from proxy.config import Settings, replace
 from proxy.doctor import database_path, run_doctor
 from proxy.embedder import Embedder, from_settings
 from proxy.errors import BadRequest, EngramError
@@ -245,6 +246,11 @@ def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
 async def _import(
     settings: Settings, db: Path, path: Path, batch: int, progress: Progress
 ) -> ImportReport:
+    # A bulk import is not serving chats: let the model use every core (measured on 2 cores:
+    # 113 turns/s with one ONNX thread, 210 with two).
+    cores = os.cpu_count() or 1
+    if settings.embedder.threads < cores:
+        settings = replace(settings, "embedder", threads=cores)
     async with Store(db) as store:
         embedder = await open_embedder(settings, store)
         try:
