@@ -149,7 +149,8 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
                     "installed (pip install uvloop)"
                 ) from None
         else:
-            return uvloop.new_event_loop()
+            loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+            return loop
     return asyncio.new_event_loop()
 
 
