@@ -225,26 +225,9 @@ class Summarizer:
         messages = summary_messages(
             self.prompt, previous.content if previous else None, text, cfg.max_tokens * 3 // 4
         )
-        prompt = "\n".join(m["content"] for m in messages)
-        cost = self.tokens.raw(prompt) + cfg.max_tokens
-        if self.tokens_spent + cost > cfg.budget_share * self.tokens_proxied:
-            self.skipped_budget += 1
-            return previous  # over budget: wait until more has been proxied
-        body = {
-            "messages": messages,
-            "max_tokens": cfg.max_tokens,
-            "temperature": 0.2,
-            "stream": False,
-        }
-        if model:
-            body["model"] = model
-        reply, usage = await self._call(body)
-        spent = usage.get("total_tokens") if usage else None
-        self.tokens_spent += (
-            spent
-            if isinstance(spent, int)
-            else (self.tokens.raw(prompt) + self.tokens.raw(reply or ""))
-        )
+        reply = await self.complete(messages, model)
+        if reply is None:
+            return previous  # over budget (wait for more traffic) or failed: nothing changes
         content = clean(reply or "", cfg.max_tokens, self.tokens, source=text)
         if content is None:
             self.failed += 1
