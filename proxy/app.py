@@ -34,6 +34,7 @@ from proxy.memory import MemoryService
 from proxy.paths import db_path
 from proxy.pipeline import ChatPipeline
 from proxy.retrieval import Retriever
+from proxy.slotstore import SlotStore
 from proxy.stats import Counters
 from proxy.store.store import Store
 from proxy.summarizer import Summarizer
@@ -54,6 +55,7 @@ RETRIEVER = web.AppKey("retriever", Retriever)
 MEMORY = web.AppKey("memory", MemoryService)
 CONSOLIDATOR = web.AppKey("consolidator", Consolidator)
 COUNTERS = web.AppKey("counters", Counters)
+SLOTS = web.AppKey("slots", SlotStore)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"})
@@ -131,6 +133,8 @@ def _resources(
                     await app[COUNTERS].flush()
                 except Exception:
                     log.exception("saving the token counters at shutdown failed")
+                if memory.slots is not None:
+                    await memory.slots.close()
                 await memory.store.close()
                 if memory.embedder is not None:
                     await memory.embedder.aclose()
@@ -163,6 +167,10 @@ async def _open_memory(
     consolidator = Consolidator(settings, store, embedder, summarizer, feedback)
     counters = Counters(store, summarizer, consolidator)
     await counters.load()
+    slots = SlotStore(settings.slots, store) if settings.slots.enabled else None
+    if slots is not None:
+        await slots.start()
+        app[SLOTS] = slots
     service = MemoryService(
         settings,
         store,
@@ -174,6 +182,7 @@ async def _open_memory(
         summarizer=summarizer,
         handback=Handback(settings, store, embedder, summarizer, tasks),
         feedback=feedback,
+        slots=slots,
     )
     app[STORE] = store
     app[CONSOLIDATOR] = consolidator

@@ -327,6 +327,59 @@ class ConsolidationSettings:
 
 
 @dataclass(frozen=True)
+class SlotsSettings:
+    """[slots] — bulky tool outputs forwarded as [TOOL_RESULT:id] references, kept in Redis or
+    in the SQLite file, expanded on demand by a tool Engram adds and answers itself."""
+
+    enabled: bool = opt(True, "Replace old, large tool outputs by references in forwarded prompts.")
+    min_tokens: int = opt(
+        500, "Tool outputs longer than this many tokens are replaced by a reference.", min=1
+    )
+    keep_recent: str = opt(
+        "exchange",
+        "Which tool outputs stay raw: 'exchange' (everything after the last user message), "
+        "'round' (only those answering the latest tool calls; for long agent loops), 'none'.",
+        choices=("exchange", "round", "none"),
+    )
+    detect_text_results: bool = opt(
+        False,
+        "Also replace tool results that text-protocol agents put in user messages (Cline's "
+        "\"[read_file for 'x'] Result:\" blocks).",
+    )
+    ttl_seconds: int = opt(
+        86400, "Seconds a slot lives after it was last stored or used (refreshed on use).", min=1
+    )
+    redis_url: str = opt(
+        "",
+        "Redis URL for the slots (e.g. redis://127.0.0.1:6379/0). Empty: the embedded store in "
+        "the SQLite file. When Redis is down Engram uses the embedded store and retries Redis.",
+    )
+    redis_key_prefix: str = opt("engram:slot", "Prefix of Engram's Redis keys.")
+    redis_timeout: float = opt(
+        0.5, "Seconds one Redis command may take before Redis counts as down.", min=0.01
+    )
+    redis_retry: float = opt(
+        10.0, "Seconds between attempts to reach Redis again after it went away.", min=0.1
+    )
+    purge_interval: float = opt(
+        300.0, "Seconds between purges of expired slots from the embedded store.", min=1
+    )
+    expand: bool = opt(
+        True,
+        "Add the expansion tool when the forwarded prompt holds references, and answer the "
+        "model's calls to it (the client never sees them).",
+    )
+    expand_tool: str = opt("engram_expand", "Name of the expansion tool Engram adds.")
+    max_expansions: int = opt(
+        3,
+        "Round trips Engram makes for expansion calls in one request; after the last one the "
+        "model is asked again without the tool.",
+        min=1,
+        max=20,
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
@@ -340,6 +393,7 @@ class Settings:
     sessions: SessionsSettings = field(default_factory=SessionsSettings)
     feedback: FeedbackSettings = field(default_factory=FeedbackSettings)
     consolidation: ConsolidationSettings = field(default_factory=ConsolidationSettings)
+    slots: SlotsSettings = field(default_factory=SlotsSettings)
 
 
 # --- introspection -----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from proxy.logs import event
 from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
 from proxy.retrieval import Retriever
+from proxy.slotstore import SlotStore
 from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session, Turn, index_text, text_hash
@@ -285,6 +286,7 @@ class MemoryService:
         summarizer: Summarizer | None = None,
         handback: Handback | None = None,
         feedback: Feedback | None = None,
+        slots: SlotStore | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -296,6 +298,7 @@ class MemoryService:
         self.summarizer = summarizer
         self.handback = handback
         self.feedback = feedback
+        self.slots = slots
         self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: OrderedDict[str, tuple[float, Assembly]] = OrderedDict()
