@@ -9,13 +9,15 @@
     POST   /engram/api/sessions/{id}/complete   a sub-agent is done: hand its summary back
     POST   /engram/api/feedback                 {"request_id", "helpful", "note"}: flag a request
     POST   /engram/api/consolidate              run a consolidation pass over the user's queue
-    GET    /engram/api/stats                    the user's counts and the token figures
+    GET    /engram/api/stats                    the user's counts, the token figures and the
+                                                slot figures (per backend, server-wide)
+    GET    /engram/api/slots/{id}               one of the user's tool-result slots
 
 The user namespace comes from ``X-Engram-User``, else the ``user`` query parameter, else
-``default``, cleaned as the chat pipeline cleans it. Another user's session is a 404, exactly like
-a missing one. Only loopback clients are answered, unless ``memory.admin_token`` is set and the
-client sends ``Authorization: Bearer <token>``. The JSON shaping and parameter checks here are
-shared with the ``engram`` command.
+``default``, cleaned as the chat pipeline cleans it. Another user's session or slot is a 404,
+exactly like a missing (or expired) one. Only loopback clients are answered, unless
+``memory.admin_token`` is set and the client sends ``Authorization: Bearer <token>``. The JSON
+shaping and parameter checks here are shared with the ``engram`` command.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app import CONSOLIDATOR, COUNTERS, MEMORY, RETRIEVER, SETTINGS, STORE
+from proxy.app import CONSOLIDATOR, COUNTERS, MEMORY, RETRIEVER, SETTINGS, SLOTS, STORE
 from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
 from proxy.feedback import MAX_NOTE_CHARS
 from proxy.identity import identify
 from proxy.jsonl import export_line
 from proxy.retrieval import MODES, Hit, Retriever
+from proxy.slotstore import Slot, SlotStore
 from proxy.stats import memory_counts, token_figures
 from proxy.store.models import Session, Turn
 from proxy.store.store import Store
@@ -191,6 +194,17 @@ def turn_json(t: Turn) -> dict[str, Any]:
     }
 
 
+def slot_json(slot: Slot, backend: str) -> dict[str, Any]:
+    return {
+        "id": slot.id,
+        "tool": slot.tool,
+        "description": slot.description,
+        "tokens": slot.tokens,
+        "content": slot.content,
+        "backend": backend,
+    }
+
+
 # --- operations shared with the CLI -------------------------------------------------------------
 
 
@@ -240,6 +254,16 @@ def _store(request: web.Request) -> Store:
             code="memory_disabled",
         )
     return store
+
+
+def _slots(request: web.Request) -> SlotStore:
+    slots = request.app.get(SLOTS)
+    if slots is None:
+        raise ServiceUnavailable(
+            "Tool-result slots are disabled (slots.enabled = false, or memory.enabled = false).",
+            code="slots_disabled",
+        )
+    return slots
 
 
 async def search_handler(request: web.Request) -> web.Response:
@@ -442,7 +466,23 @@ async def stats_handler(request: web.Request) -> web.Response:
     user = request_user(request)
     counts = await store.read(lambda c: memory_counts(c, user))
     tokens = token_figures(request.app[COUNTERS].current(), request.app[SETTINGS])
-    return web.json_response({"user": user, "tokens": tokens, **counts})
+    slots = request.app.get(SLOTS)
+    slot_figures = {"backend": slots.backend, **await slots.stats()} if slots else None
+    return web.json_response({"user": user, "tokens": tokens, **counts, "slots": slot_figures})
+
+
+async def slot_handler(request: web.Request) -> web.Response:
+    """The user's slot; another user's slot is a 404 exactly like a missing or expired one."""
+    slots = _slots(request)
+    user = request_user(request)
+    slot_id = request.match_info["id"]
+    found = await slots.lookup(user, slot_id)
+    if found is None:
+        raise NotFound(
+            f"No tool-result slot {slot_id!r} for user {user!r} (unknown or expired).",
+            code="slot_not_found",
+        )
+    return web.json_response(slot_json(*found))
 
 
 def _guarded(handler: Handler) -> Handler:
@@ -466,3 +506,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(f"{PREFIX}/feedback", _guarded(feedback_handler))
     app.router.add_post(f"{PREFIX}/consolidate", _guarded(consolidate_handler))
     app.router.add_get(f"{PREFIX}/stats", _guarded(stats_handler))
+    app.router.add_get(f"{PREFIX}/slots/{{id}}", _guarded(slot_handler))

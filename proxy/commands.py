@@ -27,6 +27,7 @@ from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.progress import Progress
 from proxy.redact import redact
 from proxy.retrieval import Retriever
+from proxy.slotstore import forget_redis_user, offline_stats
 from proxy.stats import memory_counts, read_counters, token_figures
 from proxy.store.store import Store
 
@@ -161,8 +162,18 @@ async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> 
                 file=sys.stderr,
             )
             return 2
-        await store.delete_user(user)
+        await store.delete_user(user)  # its embedded slots go with it (trigger)
         print(f"deleted user {user!r}: {n} sessions, {turns} turns")
+        if settings.slots.redis_url:
+            gone = await forget_redis_user(settings.slots, user)
+            if gone is None:
+                print(
+                    "engram: warning: Redis is unreachable; the user's tool-result slots there "
+                    "expire on their own (slots.ttl_seconds)",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"deleted {gone} tool-result slots from Redis")
         return 0
     if not args.session:
         raise BadRequest("give a SESSION_ID (or --user U --all to delete a whole namespace)")
@@ -275,12 +286,14 @@ async def stats(args: argparse.Namespace, settings: Settings, store: Store) -> i
     }
     tokens = token_figures(await store.read(read_counters), settings)
     loop = await store.read(memory_counts)
+    slots = await offline_stats(settings.slots, store)
     data = {
         **dataclasses.asdict(st),
         "db": str(store.path),
         "per_user": per_user,
         "tokens": tokens,
         **loop,
+        "slots": slots,
     }
     if args.json:
         _print_json(data)
@@ -292,7 +305,26 @@ async def stats(args: argparse.Namespace, settings: Settings, store: Store) -> i
         print(f"  {user:<30} {c['sessions']:>6} sessions {c['turns']:>8} turns")
     for line in loop_lines(tokens, loop):
         print(line)
+    for line in slot_lines(slots):
+        print(line)
     return 0
+
+
+def slot_lines(slots: dict[str, Any]) -> list[str]:
+    """The tool-result slot figures per backend, as ``engram stats`` prints them."""
+    lines = [f"{'slots':<15} new slots go to {slots['backend']}"]
+    for backend in ("embedded", "redis"):
+        f = slots.get(backend)
+        if f is None:
+            continue
+        held = (
+            f"{f['slots']} slots, {f['bytes'] / 1e6:.2f} MB" if f.get("up", True) else "unreachable"
+        )
+        lines.append(
+            f"  {backend:<13} {held}; {f['hits']} hits, {f['misses']} misses (unknown or "
+            f"expired), {f['puts']} puts, {f['errors']} errors"
+        )
+    return lines
 
 
 def loop_lines(tokens: dict[str, Any], loop: dict[str, Any]) -> list[str]:

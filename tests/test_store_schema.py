@@ -99,7 +99,13 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "incomplete",
         "source_session",
     ]
-    assert _objects(conn, "trigger") == {"turns_ai", "turns_au", "turns_ad", "sessions_ad_facts"}
+    assert _objects(conn, "trigger") == {
+        "turns_ai",
+        "turns_au",
+        "turns_ad",
+        "sessions_ad_facts",
+        "users_ad_slots",
+    }
     assert {"requests", "feedback", "consolidation_queue", "counters"} <= tables
     fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(requests)")}
     assert ("sessions", "session_id", "CASCADE") in fks and ("users", "user_id", "CASCADE") in fks
@@ -288,6 +294,50 @@ def test_cascade_from_user(conn: Connection) -> None:
     conn.execute("DELETE FROM users WHERE id = 'u1'")
     assert [r[0] for r in conn.execute("SELECT id FROM turns")] == [theirs]
     assert _vec_ids(conn) == [theirs]
+
+
+def test_slots_table_and_its_user_trigger(conn: Connection) -> None:
+    assert _columns(conn, "slots") == [
+        "user_id",
+        "id",
+        "tool",
+        "description",
+        "content",
+        "tokens",
+        "bytes",
+        "created_at",
+        "expires_at",
+    ]
+    assert "slots_expires" in _objects(conn, "index")
+    conn.execute("INSERT INTO users(id, created_at) VALUES ('u1', 0)")
+    for user in ("u1", "u2", "no-user-row"):  # a slot needs no users row
+        conn.execute(
+            "INSERT INTO slots(user_id, id, content, created_at, expires_at)"
+            " VALUES (?, 'x', 'out', 0, 1)",
+            (user,),
+        )
+    with pytest.raises(db.driver().IntegrityError):  # one slot per (user, id)
+        conn.execute(
+            "INSERT INTO slots(user_id, id, content, created_at, expires_at)"
+            " VALUES ('u1', 'x', 'again', 0, 1)"
+        )
+    conn.execute("DELETE FROM users WHERE id = 'u1'")
+    assert sorted(r[0] for r in conn.execute("SELECT user_id FROM slots")) == ["no-user-row", "u2"]
+
+
+def test_migration_5_upgrades_a_version_4_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = db.connect(tmp_path / "v4.db")
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:4])
+            assert migrations.migrate(c) == [1, 2, 3, 4]
+        assert "slots" not in _objects(c, "table")
+        assert migrations.migrate(c) == [5]
+        assert "slots" in _objects(c, "table")
+    finally:
+        c.close()
 
 
 def _integrity_check(conn: Connection) -> None:

@@ -43,6 +43,12 @@ Conventions the schema fixes (migration 1):
   background), ``feedback`` and ``consolidation_queue`` hang off them by ``request_id``
   (cascade), ``counters`` holds running token totals, and the ``sessions_ad_facts`` trigger
   deletes the facts (``role = 'fact'``) whose ``source_session`` is deleted.
+- Migration 5 (tool-result slots, embedded backend of :mod:`proxy.slotstore`): ``slots`` holds
+  one row per ``(user_id, id)`` with the tool output and its ``expires_at`` (REAL Unix seconds;
+  a row past it is expired: never read, deleted by the periodic purge). It is an ordinary rowid
+  table, not ``WITHOUT ROWID``: tool outputs are large rows, which ``WITHOUT ROWID`` tables
+  store badly. ``user_id`` has no foreign key (a slot may be stored before its user's first turn
+  is archived); the ``users_ad_slots`` trigger deletes a user's slots with the user instead.
 """
 
 from __future__ import annotations
@@ -339,6 +345,33 @@ def _m004_feedback(conn: Connection) -> None:
     )
 
 
+def _m005_slots(conn: Connection) -> None:
+    """Tool-result slots kept in the SQLite file (when Redis is not configured or is down)."""
+    _execute_script(
+        conn,
+        """
+        CREATE TABLE slots (
+            user_id     TEXT NOT NULL,          -- the user namespace (no FK: see users_ad_slots)
+            id          TEXT NOT NULL,          -- the deterministic slot id
+            tool        TEXT NOT NULL DEFAULT '',
+            description TEXT NOT NULL DEFAULT '',
+            content     TEXT NOT NULL,
+            tokens      INTEGER NOT NULL DEFAULT 0,
+            bytes       INTEGER NOT NULL DEFAULT 0,   -- UTF-8 length of content
+            created_at  REAL NOT NULL,
+            expires_at  REAL NOT NULL,          -- refreshed whenever the slot is stored or read
+            PRIMARY KEY (user_id, id)
+        );
+        CREATE INDEX slots_expires ON slots(expires_at);
+
+        -- Forgetting a user forgets their slots.
+        CREATE TRIGGER users_ad_slots AFTER DELETE ON users BEGIN
+            DELETE FROM slots WHERE user_id = old.id;
+        END;
+        """,
+    )
+
+
 Migration = Callable[[Connection], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -346,6 +379,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (2, _m002_summaries),
     (3, _m003_items_and_completion),
     (4, _m004_feedback),
+    (5, _m005_slots),
 )
 """(version, function), ascending. Append only."""
 
