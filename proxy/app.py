@@ -427,6 +427,16 @@ async def metrics(request: web.Request) -> web.Response:
         for name, value in app[COUNTERS].current().items():
             values[f"engram_{name}_total"] = value
         values["engram_facts_stored_total"] = app[CONSOLIDATOR].facts_stored
+    expander = pipeline.expander
+    if expander is not None:
+        for name in ("round_trips", "expanded", "expired"):
+            values[f"engram_expansion_{name}_total"] = expander.counts[name]
+        slots = expander.slots
+        if slots.settings.redis_url:
+            values["engram_slots_redis_up"] = float(slots.backend == "redis")
+        for backend, counts in slots.counters().items():
+            for name, value in counts.items():
+                values[f'engram_slots_{name}_total{{backend="{backend}"}}'] = value
     text = "".join(f"{k} {v:g}\n" for k, v in values.items())
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 

@@ -46,6 +46,9 @@ from proxy.logs import event
 from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
 from proxy.retrieval import Retriever
+from proxy.slots import TOOL_ROLES, Candidate, references
+from proxy.slots import apply as apply_slots
+from proxy.slots import find as find_outputs
 from proxy.slotstore import SlotStore
 from proxy.store import queries
 from proxy.store.db import Connection
@@ -98,6 +101,11 @@ class MemoryTurn:
     archive_task: asyncio.Task[Any] | None = None
     injected: list[int] = field(default_factory=list)
     skipped: str | None = None  # why memory did nothing (housekeeping, …)
+    budget: int | None = None  # prompt tokens the upstream's context allows (None: unknown)
+    # The client's messages with old bulky tool outputs swapped for slot references (same
+    # length and order as ``messages``); what the assembler works on.
+    view: list[dict[str, Any]] | None = None
+    slot_refs: list[str] = field(default_factory=list)  # slot ids the forwarded prompt holds
 
 
 def scoped_session_id(explicit: str, user: str, owner: str | None) -> str:
@@ -300,6 +308,7 @@ class MemoryService:
         self.feedback = feedback
         self.slots = slots
         self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
+        self._raw_counts: OrderedDict[str, int] = OrderedDict()  # text hash -> tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: OrderedDict[str, tuple[float, Assembly]] = OrderedDict()
         extra = settings.memory.housekeeping_patterns
@@ -418,9 +427,10 @@ class MemoryService:
     async def _compose(self, mt: MemoryTurn, body: Mapping[str, Any], recall: bool) -> None:
         """Recall memories for what the window does not hold, then assemble the prompt."""
         s = self.settings
-        budget = await self._budget(body, mt.model)
+        budget = mt.budget = await self._budget(body, mt.model)
         sizes = await self._message_sizes(mt)
         model = mt.model
+        view = mt.view = await self._slot_view(mt)
 
         def count_text(text: str) -> int:
             return self.tokens.count(text, model)
@@ -443,7 +453,7 @@ class MemoryService:
         mt.memory_room = self._memory_room(budget) if recall else 0
         mem_room = mt.memory_room
         draft = assemble(
-            mt.messages,
+            view,
             budget=None if budget is None else budget - mem_room,
             count=count,
             count_text=count_text,
@@ -463,10 +473,58 @@ class MemoryService:
             self.summarizer.account_prompt(final.tokens)
         if final.messages != mt.messages:
             mt.forward = final.messages
+            mt.slot_refs = references(final.messages) if mt.slot_refs else []
         if mt.placement is not None:
             self.last_requests[mt.placement.session.id] = (time.time(), final)
             while len(self.last_requests) > LAST_REQUESTS:
                 self.last_requests.popitem(last=False)
+
+    async def _slot_view(self, mt: MemoryTurn) -> list[dict[str, Any]]:
+        """The messages with old bulky tool outputs swapped for references to stored slots.
+        An output that could be stored nowhere stays raw: nothing is ever dropped."""
+        s = self.settings.slots
+        if self.slots is None or not s.enabled:
+            return mt.messages
+        tool_chars = sum(
+            len(content_text(m.get("content")))
+            for m in mt.messages
+            if m.get("role") in TOOL_ROLES or (s.detect_text_results and m.get("role") == "user")
+        )
+        if tool_chars <= s.min_tokens:
+            return mt.messages
+
+        def plan() -> list[Candidate]:
+            return find_outputs(
+                mt.messages,
+                min_tokens=s.min_tokens,
+                keep_recent=s.keep_recent,
+                count=self._raw_tokens,
+                detect_text=s.detect_text_results,
+            )
+
+        found = await asyncio.to_thread(plan) if tool_chars > 20_000 else plan()
+        if not found:
+            return mt.messages
+        unique = list({c.slot.id: c.slot for c in found}.values())
+        try:
+            stored = await self.slots.put_many(mt.identity.user, unique)
+        except Exception:  # put_many never raises; if it did, the outputs go raw
+            log.exception("storing tool-result slots failed; forwarding them raw")
+            return mt.messages
+        keep = [c for c in found if c.slot.id in stored]
+        mt.slot_refs = [sid for sid in dict.fromkeys(c.slot.id for c in keep)]
+        return apply_slots(mt.messages, keep) if keep else mt.messages
+
+    def _raw_tokens(self, text: str) -> int:
+        """Tokens of a tool output by the fixed tokenizer (deterministic: the reference's
+        description holds it), cached by content hash."""
+        key = hashlib.sha1(text.encode()).hexdigest()
+        n = self._raw_counts.get(key)
+        if n is None:
+            n = self._raw_counts[key] = self.tokens.raw(text)
+            while len(self._raw_counts) > SIZE_CACHE:
+                self._raw_counts.popitem(last=False)
+        return n
 
     def _memory_room(self, budget: int | None) -> int:
         """Tokens the memory block may take: its cap, and a share of the prompt budget."""
@@ -487,7 +545,7 @@ class MemoryService:
         block, used = memory_block(memories, mt.memory_room, count_text)
         mt.injected = [m.id for m in used]
         return assemble(
-            mt.messages,
+            mt.view if mt.view is not None else mt.messages,
             budget=budget,
             count=count,
             count_text=count_text,

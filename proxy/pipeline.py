@@ -23,6 +23,8 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError
+from proxy.expand import can_add_tool
+from proxy.expand_loop import Expander
 from proxy.forward import is_event_stream, read_body, relay
 from proxy.memory import MemoryService, MemoryTurn
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
@@ -51,6 +53,8 @@ class ChatTurn:
     reply: AssembledReply | None = None
     client_gone: bool = False
     upstream_failed: bool = False
+    expand: bool = False  # the expansion tool goes with this request (proxy.expand)
+    expansions: int = 0  # round trips Engram made answering its own tool
 
 
 ReplyHook = Callable[[ChatTurn], Coroutine[Any, Any, None]]
@@ -141,6 +145,11 @@ class ChatPipeline:
         if memory is not None:
             self.reply_hooks += [self._archive_reply, self._learn_tokens]
         self.keep_cors = bool(settings.server.cors_origins)
+        self.expander = (
+            Expander(settings.slots, memory.slots, upstream, self.keep_cors)
+            if memory is not None and memory.slots is not None
+            else None
+        )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await read_body(request, self.settings.server.max_body_bytes)
@@ -180,6 +189,19 @@ class ChatPipeline:
     async def _forward(
         self, request: web.Request, turn: ChatTurn, payload: bytes
     ) -> web.StreamResponse:
+        if turn.expand and self.expander is not None and turn.memory is not None:
+            mt = turn.memory
+            room = mt.budget - mt.assembly.tokens if mt.budget and mt.assembly else None
+            try:
+                result = await self.expander.run(request, turn, mt.identity.user, room)
+            except BaseException:
+                if turn.status is not None:  # the upstream answered: archive what came
+                    self._after_reply(turn)
+                raise
+            if isinstance(result, web.StreamResponse):
+                self._after_reply(turn)
+                return result
+            # The upstream rejected the tool: the request goes as the plain rewrite.
         up = await self.upstream.send(
             request.method, request.raw_path, forward_headers(request.headers), payload
         )
@@ -240,6 +262,9 @@ class ChatPipeline:
         if mt.forward is not None:
             turn.body = {**turn.body, "messages": mt.forward}
             turn.messages_changed = True
+        ex = self.expander
+        if mt.slot_refs and ex is not None and ex.offered(mt.model):
+            turn.expand = can_add_tool(turn.body, ex.settings.expand_tool)
 
     async def _learn_tokens(self, turn: ChatTurn) -> None:
         """Calibrate token counts for this model from what the upstream reported."""
@@ -251,6 +276,8 @@ class ChatPipeline:
         messages = turn.body.get("messages")
         if turn.status != 200 or not isinstance(reported, int) or not isinstance(messages, list):
             return
+        if turn.expansions:
+            return  # usage is summed over round trips: no count of this prompt alone
         tokens = self.memory.tokens
         estimated = await asyncio.to_thread(tokens.messages, messages)
         model = turn.body.get("model")
