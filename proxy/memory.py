@@ -468,6 +468,8 @@ class MemoryService:
         if any(text_hash(m.content[:EMBED_CHARS]) in in_window for m in memories):
             memories = [m for m in memories if text_hash(m.content[:EMBED_CHARS]) not in in_window]
             final = self._assemble(mt, memories, budget, count, count_text)
+        if view is not mt.messages:  # the client's own count, before its outputs became slots
+            final.original_tokens = sum(count(m) for m in mt.messages)
         mt.assembly = final
         if self.summarizer is not None:
             self.summarizer.account_prompt(final.tokens)
@@ -721,13 +723,26 @@ def _append(
     return queries.add_turns(conn, session.id, session.user_id, fresh, vecs, time.time())
 
 
+# Characters past EMBED_CHARS that redaction reads too, so that a secret straddling the cut is
+# still recognised (redacting the whole of a 30 kB tool output on every request cost 35 ms).
+REDACT_MARGIN = 4096
+_TEXT_HASHES: OrderedDict[str, tuple[str, str]] = OrderedDict()
+
+
 def _texts(messages: Sequence[Mapping[str, Any]]) -> set[str]:
-    """Hashes of the messages' texts as archived (redacted) and as sent."""
+    """Hashes of the messages' texts as archived (redacted) and as sent (their first
+    EMBED_CHARS characters), remembered by the hash as sent: clients resend the history."""
     out: set[str] = set()
     for m in messages:
         text = content_text(m.get("content"))
-        out.add(text_hash(text[:EMBED_CHARS]))
-        out.add(text_hash(redact(text)[:EMBED_CHARS]))
+        plain = text_hash(text[:EMBED_CHARS])
+        found = _TEXT_HASHES.get(plain)
+        if found is None:
+            redacted = text_hash(redact(text[: EMBED_CHARS + REDACT_MARGIN])[:EMBED_CHARS])
+            found = _TEXT_HASHES[plain] = (plain, redacted)
+            while len(_TEXT_HASHES) > SIZE_CACHE:
+                _TEXT_HASHES.popitem(last=False)
+        out.update(found)
     return out
 
 

@@ -123,8 +123,15 @@ async def test_old_outputs_become_references_and_the_tool_is_added(
 ) -> None:
     outs = [output("a"), output("b"), output("c")]
     msgs = agent_chat(outs)
-    status, reply = await chat(http, engram, {"model": "m", "messages": msgs})
-    assert status == 200, reply
+    async with http.post(
+        engram.url + "/v1/chat/completions",
+        json={"model": "m", "messages": msgs},
+        headers={"X-Engram-User": "alice"},
+    ) as r:
+        assert r.status == 200, await r.text()
+        sent_tokens, original_tokens = map(int, r.headers["X-Engram-Prompt-Tokens"].split("/"))
+    # The header compares with the client's own prompt, raw outputs included.
+    assert original_tokens > max(3000, 5 * sent_tokens)
     sent = forwarded(strict)
     fwd = sent["messages"]
     assert template_violations(fwd) == []
