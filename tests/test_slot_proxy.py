@@ -256,10 +256,14 @@ async def test_plain_expansion_is_answered_by_engram(
         JsonReply(chat_completion(None, tool_calls=[expand_call(sid)], usage=make_usage(100, 7))),
         JsonReply(chat_completion("mod0 multiplies.", usage=make_usage(1200, 5))),
     )
-    status, reply = await chat(http, engram, {"model": "m", "messages": agent_chat(outs)})
+    vendor = {"cache_prompt": True, "id_slot": None, "temperature": 0.2}
+    status, reply = await chat(http, engram, {"model": "m", "messages": agent_chat(outs), **vendor})
     assert status == 200, reply
     msg = reply["choices"][0]["message"]
     assert msg["content"] == "mod0 multiplies." and "tool_calls" not in msg
+    for req in strict.chat_requests():  # every other field, in every round, as the client sent it
+        sent = req.json()
+        assert {k: sent[k] for k in vendor} == vendor and sent["model"] == "m"
     assert reply["choices"][0]["finish_reason"] == "stop"
     assert reply["usage"] == make_usage(1300, 12)
     reqs = strict.chat_requests()
@@ -531,3 +535,94 @@ async def test_one_user_cannot_expand_another_users_slot(
     assert answer["role"] == "tool" and "has expired or is unknown" in answer["content"]
     assert "alice_secret" not in json.dumps(forwarded(strict))
     await settle(engram)
+
+
+async def test_upstream_dying_in_the_round_trip_reaches_the_sdk_as_an_error(
+    engram: Engram, strict: FakeUpstream
+) -> None:
+    outs = [output("a")]
+    strict.enqueue(
+        StreamReply(chat_chunks([], tool_calls=[expand_call(slot_id("read_file", outs[0]))])),
+        StreamReply(chat_chunks(["partial ", "answer ", "never ends"]), die_after=2),
+    )
+    client = sdk(engram)
+    got = []
+    with pytest.raises(openai.APIError):
+        async for chunk in await client.chat.completions.create(
+            model="m",
+            messages=agent_chat(outs),  # type: ignore[arg-type]
+            stream=True,
+        ):
+            got += [c.delta.content or "" for c in chunk.choices]
+    await client.close()
+    assert "".join(got) == "partial "
+    await settle(engram)
+    turn = engram.turns[-1]
+    assert turn.upstream_failed and turn.reply is not None and not turn.reply.complete
+    assert turn.reply.content == "partial "
+
+
+async def test_text_protocol_results_become_references_when_enabled(
+    strict: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    e = await start_engram(strict.url, slots={"detect_text_results": True})
+    try:
+        body = output("cline")
+        msgs = [
+            {"role": "system", "content": "You are Cline."},
+            {"role": "user", "content": "<task>fix mod.py</task>"},
+            {"role": "assistant", "content": "<read_file><path>mod.py</path></read_file>"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": f"[read_file for 'mod.py'] Result:\n{body}"},
+                    {"type": "text", "text": "<environment_details>x</environment_details>"},
+                ],
+            },
+            {"role": "assistant", "content": "The file looks fine."},
+            {"role": "user", "content": "Now run the tests."},
+        ]
+        assert (await chat(http, e, {"model": "m", "messages": msgs}))[0] == 200
+        part = forwarded(strict)["messages"][3]["content"][0]["text"]
+        sid = slot_id("read_file", body)
+        assert part.startswith(f"[read_file for 'mod.py'] Result:\n[TOOL_RESULT:{sid}]")
+        assert body not in part
+        assert await e.app[SLOTS].get("alice", sid) is not None
+        await settle(e)
+    finally:
+        await e.close()
+
+
+async def test_stable_prompt_mode_and_round_keeping_work_with_slots(
+    strict: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    e = await start_engram(strict.url, prompt={"mode": "stable"}, slots={"keep_recent": "round"})
+    try:
+        outs = [output("a"), output("b")]
+        msgs = agent_chat(outs)[:-2]  # mid agent loop: the last output answers the latest call
+        assert msgs[-1]["role"] == "tool"
+        extra = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "callmore1",
+                    "type": "function",
+                    "function": {"name": "read_file", "arguments": '{"path": "c.py"}'},
+                }
+            ],
+        }
+        loop = [
+            *msgs[:-1],
+            msgs[-1],
+            extra,
+            {"role": "tool", "tool_call_id": "callmore1", "content": output("c")},
+        ]
+        assert (await chat(http, e, {"model": "m", "messages": loop}))[0] == 200
+        fwd = forwarded(strict)["messages"]
+        assert template_violations(fwd) == []
+        assert REFERENCE.match(fwd[3]["content"]) and REFERENCE.match(fwd[7]["content"])
+        assert fwd[-1]["content"] == output("c")  # the latest round stays raw
+        await settle(e)
+    finally:
+        await e.close()
