@@ -431,6 +431,11 @@ class MemoryService:
         sizes = await self._message_sizes(mt)
         model = mt.model
         view = mt.view = await self._slot_view(mt)
+        if view is not mt.messages:  # the references, counted once (the assembler asks often)
+            factor = self.tokens.factor(model)
+            for m in view:
+                if id(m) not in sizes:
+                    sizes[id(m)] = round(self.tokens.messages([m]) * factor)
 
         def count_text(text: str) -> int:
             return self.tokens.count(text, model)

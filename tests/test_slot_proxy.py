@@ -409,9 +409,9 @@ async def test_an_expired_slot_gets_a_clear_answer(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_loop_stops_at_the_limit(
-    strict: FakeUpstream, http: aiohttp.ClientSession, stream: bool
+    strict: FakeUpstream, backend: dict[str, Any], http: aiohttp.ClientSession, stream: bool
 ) -> None:
-    e = await start_engram(strict.url, slots={"max_expansions": 2})
+    e = await start_engram(strict.url, slots={**backend, "max_expansions": 2})
     try:
         outs = [output("a")]
         sid = slot_id("read_file", outs[0])
