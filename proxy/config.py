@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -33,9 +34,11 @@ def opt(
     choices: tuple[str, ...] | None = None,
     min: float | None = None,
     max: float | None = None,
+    pattern: str | None = None,
 ) -> Any:
-    """Declare one setting: its default and a one-line description (plus limits)."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    """Declare one setting: its default and a one-line description (plus limits; ``pattern``:
+    a regular expression a string value must match whole)."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "pattern": pattern}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -353,6 +356,7 @@ class SlotsSettings:
         "",
         "Redis URL for the slots (e.g. redis://127.0.0.1:6379/0). Empty: the embedded store in "
         "the SQLite file. When Redis is down Engram uses the embedded store and retries Redis.",
+        pattern=r"(?:(?:rediss?|unix)://\S+)?",
     )
     redis_key_prefix: str = opt("engram:slot", "Prefix of Engram's Redis keys.")
     redis_timeout: float = opt(
@@ -369,7 +373,11 @@ class SlotsSettings:
         "Add the expansion tool when the forwarded prompt holds references, and answer the "
         "model's calls to it (the client never sees them).",
     )
-    expand_tool: str = opt("engram_expand", "Name of the expansion tool Engram adds.")
+    expand_tool: str = opt(
+        "engram_expand",
+        "Name of the expansion tool Engram adds.",
+        pattern=r"[A-Za-z_][A-Za-z0-9_-]{0,63}",
+    )
     max_expansions: int = opt(
         3,
         "Round trips Engram makes for expansion calls in one request; after the last one the "
@@ -413,6 +421,8 @@ def _fields(section_cls: type[Any]) -> dict[str, tuple[dataclasses.Field[Any], A
 def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
     if meta.get("choices"):
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
+    if meta.get("pattern"):
+        return f"a string matching {meta['pattern']}"
     lo, hi = meta.get("min"), meta.get("max")
     name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, "a list of strings"
@@ -488,6 +498,9 @@ def _coerce(
 
     choices = meta.get("choices")
     if choices and value not in choices:
+        raise bad()
+    pattern = meta.get("pattern")
+    if pattern and not re.fullmatch(pattern, value):
         raise bad()
     lo, hi = meta.get("min"), meta.get("max")
     if (lo is not None and value < lo) or (hi is not None and value > hi):

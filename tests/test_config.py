@@ -57,6 +57,9 @@ def test_env_lists_and_bools() -> None:
         ('[server]\nlog_level = "loud"\n', "one of 'debug', 'info', 'warning', 'error'"),
         ("[server]\nallow_remote = 1\n", "true or false"),
         ("[server\n", "is not valid TOML"),
+        ('[slots]\nexpand_tool = "my tool"\n', "slots.expand_tool = 'my tool'"),
+        ('[slots]\nredis_url = "localhost:6379"\n', "a string matching"),
+        ("[slots]\nmax_expansions = 0\n", "an integer from 1 to 20"),
     ],
 )
 def test_bad_files_name_the_key_and_accepted_values(
