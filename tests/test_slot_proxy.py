@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -626,3 +627,30 @@ async def test_stable_prompt_mode_and_round_keeping_work_with_slots(
         await settle(e)
     finally:
         await e.close()
+
+
+async def test_a_client_gone_during_the_round_trip_stops_the_upstream(
+    engram: Engram, strict: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    outs = [output("a")]
+    strict.enqueue(
+        StreamReply(chat_chunks([], tool_calls=[expand_call(slot_id("read_file", outs[0]))])),
+        StreamReply(chat_chunks([f"w{i} " for i in range(200)]), delay=0.05),
+    )
+    body = {"model": "m", "messages": agent_chat(outs), "stream": True}
+    resp = await http.post(engram.url + "/v1/chat/completions", json=body)
+    seen = b""
+    while b"w1 " not in seen:  # the second round is streaming
+        seen += await resp.content.readany()
+    closed_at = time.monotonic()
+    resp.close()
+    for _ in range(100):
+        if strict.disconnects:
+            break
+        await asyncio.sleep(0.005)
+    assert strict.disconnects, "the upstream never saw the disconnect"
+    assert strict.disconnects[0][1] - closed_at < 0.1
+    await settle(engram)
+    turn = engram.turns[-1]
+    assert turn.client_gone and turn.reply is not None and not turn.reply.complete
+    assert (turn.reply.content or "").startswith("w0 w1 ") and TOOL.encode() not in seen
