@@ -89,9 +89,9 @@ class Expander:
         return await loop.plain(up)
 
     async def _send(self, request: web.Request, body: dict[str, Any]) -> aiohttp.ClientResponse:
-        return await self.upstream.send(
-            request.method, request.raw_path, forward_headers(request.headers), _dumps(body)
-        )
+        # Engram reads these replies, so it asks for them uncompressed.
+        headers = forward_headers(request.headers, drop=("accept-encoding",))
+        return await self.upstream.send(request.method, request.raw_path, headers, _dumps(body))
 
     def _whole(self, up: aiohttp.ClientResponse, turn: ChatTurn, data: bytes) -> web.Response:
         headers = response_headers(up.headers, keep_cors=self.keep_cors)
