@@ -440,7 +440,9 @@ def stats(conn: Connection, path: Path | None) -> StoreStats:
         users=count("SELECT count(*) FROM users"),
         sessions=count("SELECT count(*) FROM sessions"),
         turns=count("SELECT count(*) FROM turns"),
-        vectors=count("SELECT count(*) FROM turns WHERE embed_hash IS NOT NULL"),
+        # sqlite-vec's rowid shadow table: one row per stored vector, counted without a scan
+        # of the vector chunks.
+        vectors=count("SELECT count(*) FROM turn_vec_rowids"),
         db_bytes=db_bytes,
         wal_bytes=wal_bytes,
         per_user=per_user,
