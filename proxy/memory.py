@@ -519,7 +519,7 @@ class MemoryService:
             log.exception("storing tool-result slots failed; forwarding them raw")
             return mt.messages
         keep = [c for c in found if c.slot.id in stored]
-        mt.slot_refs = [sid for sid in dict.fromkeys(c.slot.id for c in keep)]
+        mt.slot_refs = list(dict.fromkeys(c.slot.id for c in keep))
         return apply_slots(mt.messages, keep) if keep else mt.messages
 
     def _raw_tokens(self, text: str) -> int:
