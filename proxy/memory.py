@@ -346,11 +346,15 @@ class MemoryService:
         mt.placement = await (self.store.write if write else self.store.read)(
             lambda c: place(c, req, write, now)
         )
-        if write and mt.placement is not None:
-            mt.archive_task = self.tasks.spawn(
-                self._archive_request(mt, now), name="archive-request"
-            )
-        await self._compose(mt, body, recall=recall)
+        try:
+            await self._compose(mt, body, recall=recall)
+        finally:
+            # Archived after recall (and whatever recall did): the request's own embedding
+            # would otherwise reach the one embedder thread before the query's and delay it.
+            if write and mt.placement is not None:
+                mt.archive_task = self.tasks.spawn(
+                    self._archive_request(mt, now), name="archive-request"
+                )
         a = mt.assembly
         if write and a is not None and a.rewritten and mt.placement is not None:
             self._schedule_summary(mt, a.window_start)
