@@ -30,6 +30,9 @@ from proxy.upstream import Upstream, join_url
 
 log = logging.getLogger("engram.summarizer")
 
+# Characters of one tool output that a summary's transcript shows.
+TOOL_CHARS = 600
+
 MAX_CHUNKS = 20  # summary calls one update may make
 
 DEFAULT_PROMPT = """\
@@ -105,11 +108,17 @@ def summary_messages(
 
 
 def render_turns(turns: Sequence[Turn], max_chars: int) -> str:
+    """One line per turn, as many turns as fit in ``max_chars`` (callers count the lines to
+    know which turns were covered). A tool output shows its first ``TOOL_CHARS`` characters: a
+    summary records what was done, not whole files. A first turn longer than the room shows its
+    start, so that a long turn never stalls the summary."""
     lines: list[str] = []
     used = 0
     for t in turns:
         who = t.speaker or t.role
         text = " ".join(t.content.split())
+        if t.role in ("tool", "function") and len(text) > TOOL_CHARS:
+            text = f"{text[:TOOL_CHARS]} … [{len(text) - TOOL_CHARS} more characters of output]"
         if t.tool_calls:
             text += (
                 " [calls: "
@@ -117,6 +126,8 @@ def render_turns(turns: Sequence[Turn], max_chars: int) -> str:
                 + "]"
             )
         line = f"{who}: {text}"
+        if not lines and len(line) > max_chars:
+            line = line[: max_chars - 1] + "…"
         if used + len(line) > max_chars:
             break
         lines.append(line)

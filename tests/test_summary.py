@@ -10,7 +10,8 @@ import pytest
 
 from proxy.app import MEMORY, STORE
 from proxy.prompt import SUMMARY_OPEN
-from proxy.summarizer import DEFAULT_PROMPT, clean, get_summary
+from proxy.store.models import Turn
+from proxy.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, get_summary, render_turns
 from proxy.tokens import TokenCounter
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion, template_violations
@@ -141,3 +142,21 @@ def test_clean_rejects_junk_and_caps_length() -> None:
 
 def test_config_copy_of_the_prompt_matches() -> None:
     assert (ROOT / "config" / "summary_prompt.txt").read_text() == DEFAULT_PROMPT
+
+
+def test_render_turns_clips_tool_outputs_and_never_stalls_on_a_long_turn() -> None:
+    def turn(pos: int, role: str, content: str) -> Turn:
+        return Turn(
+            id=pos, session_id="s", user_id="u", position=pos, role=role, content=content,
+            speaker=None, tool_calls=None, tool_call_id=None, timestamp=0.0, token_count=1,
+            content_hash=f"h{pos}", incomplete=False,
+        )  # fmt: skip
+
+    big = "x " * 20_000
+    text = render_turns([turn(0, "user", "read it"), turn(1, "tool", big)], 5000)
+    lines = text.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("tool: x x")
+    assert lines[1].endswith("more characters of output]") and len(lines[1]) < TOOL_CHARS + 80
+    # A first turn longer than the whole room still yields its start (one line, one turn covered).
+    first = render_turns([turn(0, "user", "y " * 5000), turn(1, "user", "next")], 1000)
+    assert len(first.splitlines()) == 1 and len(first) == 1000 and first.endswith("…")
