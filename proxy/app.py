@@ -403,6 +403,8 @@ async def health(request: web.Request) -> web.Response:
                 "context_size": info.context_size,
             },
             "background_tasks": len(app[TASKS]),
+            # Where new tool-result slots go ("embedded" also while a configured Redis is down).
+            "slots": app[SLOTS].backend if SLOTS in app else None,
         }
     )
 

@@ -496,6 +496,8 @@ async def test_redis_killed_mid_test_falls_back_and_recovers(
             status, reply = await chat(http, e, {"model": "m", "messages": agent_chat([a, b])})
             assert status == 200, reply
         assert slots.backend == "embedded"
+        async with http.get(e.url + "/engram/health") as r:
+            assert (await r.json())["slots"] == "embedded"
         assert REFERENCE.match(forwarded(strict)["messages"][7]["content"])
         strict.enqueue(
             JsonReply(chat_completion(None, tool_calls=[expand_call(slot_id("read_file", b))])),
@@ -511,6 +513,8 @@ async def test_redis_killed_mid_test_falls_back_and_recovers(
                 break
             await asyncio.sleep(0.05)
         assert slots.backend == "redis"
+        async with http.get(e.url + "/engram/health") as r:
+            assert (await r.json())["slots"] == "redis"
         assert (await chat(http, e, {"model": "m", "messages": agent_chat([a, b, c])}))[0] == 200
         assert REFERENCE.match(forwarded(strict)["messages"][11]["content"])
         stats = await slots.stats()
