@@ -40,6 +40,7 @@ from proxy.feedback import MAX_NOTE_CHARS
 from proxy.identity import identify
 from proxy.jsonl import export_line
 from proxy.retrieval import MODES, Hit, Retriever
+from proxy.slots import SLOT_ID
 from proxy.slotstore import Slot, SlotStore
 from proxy.stats import memory_counts, token_figures
 from proxy.store.models import Session, Turn
@@ -476,6 +477,12 @@ async def slot_handler(request: web.Request) -> web.Response:
     slots = _slots(request)
     user = request_user(request)
     slot_id = request.match_info["id"]
+    if not SLOT_ID.fullmatch(slot_id):
+        raise BadRequest(
+            "A slot id is 1-80 letters, digits, '_', '.' or '-' (as in [TOOL_RESULT:<id>]).",
+            code="invalid_slot_id",
+            param="id",
+        )
     found = await slots.lookup(user, slot_id)
     if found is None:
         raise NotFound(

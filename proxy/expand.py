@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.identity import content_text
-from proxy.slots import REFERENCE
+from proxy.slots import REFERENCE, SLOT_ID
 from proxy.slotstore import Slot
 
 log = logging.getLogger("engram.expand")
@@ -141,7 +141,7 @@ def requested_slot(arguments: Any) -> str | None:
     found = REFERENCE.search(value)
     if found:
         return found.group(1)
-    return value if REFERENCE.fullmatch(f"[TOOL_RESULT:{value}]") else None
+    return value if SLOT_ID.fullmatch(value) else None
 
 
 def answer_text(

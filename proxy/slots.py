@@ -24,7 +24,8 @@ from typing import Any
 from proxy.identity import content_text
 from proxy.slotstore import Slot
 
-REFERENCE = re.compile(r"\[TOOL_RESULT:([A-Za-z0-9_.\-]{1,80})\]")
+SLOT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,80}")
+REFERENCE = re.compile(rf"\[TOOL_RESULT:({SLOT_ID.pattern})\]")
 TOOL_ROLES = frozenset({"tool", "function"})
 # Argument names whose value says best what a tool call read or ran.
 HINT_KEYS = (

@@ -658,3 +658,12 @@ async def test_a_client_gone_during_the_round_trip_stops_the_upstream(
     turn = engram.turns[-1]
     assert turn.client_gone and turn.reply is not None and not turn.reply.complete
     assert (turn.reply.content or "").startswith("w0 w1 ") and TOOL.encode() not in seen
+
+
+async def test_slot_api_rejects_malformed_ids(engram: Engram, http: aiohttp.ClientSession) -> None:
+    for bad in ("a" * 81, "x y", "%27%3B--"):
+        async with http.get(f"{engram.url}/engram/api/slots/{bad}") as r:
+            assert r.status == 400, bad
+            assert (await r.json())["error"]["code"] == "invalid_slot_id"
+    async with http.get(f"{engram.url}/engram/api/slots/read_file-000000000000") as r:
+        assert r.status == 404
