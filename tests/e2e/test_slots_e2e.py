@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
 
 import aiohttp
 import pytest
@@ -16,6 +15,7 @@ from proxy.slots import REFERENCE, slot_id
 from tests.conftest import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer
 from tests.fake_chunks import template_violations
+from tests.test_slot_proxy import agent_chat
 
 pytestmark = pytest.mark.asyncio
 
@@ -37,38 +37,11 @@ def source(tag: str) -> str:
     return "\n".join(f"def {tag}_{n}(x):\n    return x * {n}\n" for n in range(150))
 
 
-def agent_chat(outputs: list[str]) -> list[dict[str, Any]]:
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding assistant."}]
-    for i, out in enumerate(outputs):
-        cid = f"c{i:08d}"
-        msgs += [
-            {"role": "user", "content": f"Read module {i}."},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": cid,
-                        "type": "function",
-                        "function": {
-                            "name": "read_file",
-                            "arguments": json.dumps({"path": f"src/mod{i}.py"}),
-                        },
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": cid, "content": out},
-            {"role": "assistant", "content": f"Module {i} defines simple multipliers."},
-        ]
-    msgs.append({"role": "user", "content": "In one sentence: what do the modules define?"})
-    return msgs
-
-
 async def test_tool_outputs_larger_than_the_context_go_as_references(
     engram: Engram, llama: LlamaServer
 ) -> None:
     outs = [source(t) for t in ("alpha", "beta", "gamma")]
-    msgs = agent_chat(outs)
+    msgs = agent_chat(outs, "In one sentence: what do the modules define?")
     assert len(json.dumps(msgs)) // 4 > CTX  # beyond the context, raw
     body = {"model": "smollm2", "messages": msgs, "tools": [WEATHER], "max_tokens": 32}
     async with (
@@ -94,6 +67,6 @@ async def test_tool_outputs_larger_than_the_context_go_as_references(
         sid = slot_id("read_file", out)
         assert f"[TOOL_RESULT:{sid}]" in prompt
         assert await engram.app[SLOTS].get("dev", sid) is not None
-    assert "Module 0 defines simple multipliers." in prompt
+    assert "Module 0 looks fine." in prompt
     assert "def alpha_7" not in prompt
     assert REFERENCE.search(prompt) and template_violations(msgs) == []
