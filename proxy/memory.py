@@ -106,6 +106,7 @@ class MemoryTurn:
     # length and order as ``messages``); what the assembler works on.
     view: list[dict[str, Any]] | None = None
     slot_refs: list[str] = field(default_factory=list)  # slot ids the forwarded prompt holds
+    query_vector: asyncio.Task[Any] | None = None  # the recall query's embedding, under way
 
 
 def scoped_session_id(explicit: str, user: str, owner: str | None) -> str:
@@ -325,13 +326,42 @@ class MemoryService:
         returns what it decided (``mt.forward``, when set, is the messages to forward)."""
         messages: list[dict[str, Any]] = body["messages"]
         ident = identify(headers, body)
-        mt = MemoryTurn(ident, messages, chain_hashes(messages))
-        mt.model = body.get("model") if isinstance(body.get("model"), str) else None
-        if is_housekeeping(messages, self._housekeeping):
-            mt.skipped = "housekeeping"
-            return mt
+        housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")
         recall = mode in ("on", "read-only")
+        # The query's embedding starts now, on the embedder's thread, while the conversation is
+        # hashed and placed.
+        query = self._query_vector(messages) if recall and not housekeeping else None
+        try:
+            return await self._before_forward(ident, body, housekeeping, write, recall, query)
+        finally:
+            if query is not None and not query.done():
+                query.cancel()
+
+    def _query_vector(self, messages: Sequence[Mapping[str, Any]]) -> asyncio.Task[Any] | None:
+        s = self.settings.retrieval
+        if s.top_k <= 0 or s.budget_tokens <= 0:
+            return None
+        task = self.retriever.embed_query(_last_user_text(messages))
+        if task is not None:  # an unused or failed embedding is dropped quietly
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    async def _before_forward(
+        self,
+        ident: Identity,
+        body: dict[str, Any],
+        housekeeping: bool,
+        write: bool,
+        recall: bool,
+        query: asyncio.Task[Any] | None,
+    ) -> MemoryTurn:
+        messages: list[dict[str, Any]] = body["messages"]
+        mt = MemoryTurn(ident, messages, chain_hashes(messages), query_vector=query)
+        mt.model = body.get("model") if isinstance(body.get("model"), str) else None
+        if housekeeping:
+            mt.skipped = "housekeeping"
+            return mt
         now = time.time()
         anchor = anchor_length(messages)
         req = Request(
@@ -630,7 +660,12 @@ class MemoryService:
                     )
         try:
             hits = await self.retriever.search(
-                mt.identity.user, query, s.top_k, keep=keep, session_ids=scope
+                mt.identity.user,
+                query,
+                s.top_k,
+                keep=keep,
+                session_ids=scope,
+                query_vector=mt.query_vector,
             )
         except Exception:  # memory degrades, the request goes on
             log.exception("retrieval failed; forwarding without memories")

@@ -8,7 +8,7 @@ benchmarks, so what is measured is what runs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,10 +62,12 @@ class Retriever:
         exclude_sessions: Sequence[str] = (),
         keep: Callable[[Turn], bool] | None = None,
         use_mmr: bool | None = None,
+        query_vector: Awaitable[Vector] | None = None,
     ) -> list[Hit]:
         """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` are left out
         inside the searches (they take no candidate places); ``keep`` filters candidates
-        (e.g. turns already in the request) before the cut to ``k``."""
+        (e.g. turns already in the request) before the cut to ``k``. ``query_vector``: the
+        query's embedding, already on its way (see :meth:`embed_query`)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if k <= 0 or not query.strip():
@@ -94,7 +96,10 @@ class Retriever:
             nonlocal qvec
             if not want_vec or self.embedder is None:
                 return []
-            qvec = (await self.embedder.embed_queries([query]))[0]
+            if query_vector is not None:
+                qvec = await query_vector
+            else:
+                qvec = (await self.embedder.embed_queries([query]))[0]
             rows = await self.store.vec_search(
                 user_id, qvec, n, session_ids=session_ids, exclude_sessions=skip
             )
@@ -116,6 +121,18 @@ class Retriever:
         if (s.mmr if use_mmr is None else use_mmr) and qvec is not None and len(kept) > 1:
             kept = await self._mmr(kept, qvec, k)
         return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
+
+    def embed_query(self, query: str) -> asyncio.Task[Vector] | None:
+        """Start embedding ``query`` now (the embedder works on its own thread while the
+        caller does other things); pass the task to :meth:`search` as ``query_vector``."""
+        embedder = self.embedder
+        if embedder is None or not query.strip():
+            return None
+
+        async def embed() -> Vector:
+            return (await embedder.embed_queries([query]))[0]
+
+        return asyncio.create_task(embed(), name="embed-query")
 
     async def _uncommon(self, words: list[str]) -> list[str]:
         """``words`` without those stored turns hold too often to be worth searching for
