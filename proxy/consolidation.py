@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from proxy.config import Settings
 from proxy.embedder import Embedder
@@ -41,7 +40,7 @@ from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import Turn
 from proxy.store.store import Store
-from proxy.summarizer import Summarizer, chat_call
+from proxy.summarizer import Summarizer, budgeted_call
 
 log = logging.getLogger("engram.consolidation")
 
@@ -219,28 +218,25 @@ class Consolidator:
         cfg = self.settings.consolidation
         tokens = self.summarizer.tokens
         prompt = "\n".join(m["content"] for m in messages)
-        cost = max(tokens.raw(prompt), tokens.count(prompt, model)) + 8 + cfg.max_tokens
-        if self.tokens_spent + cost > self.allowance():
+        result = await budgeted_call(
+            self.summarizer.upstream,
+            messages,
+            model,
+            max_tokens=cfg.max_tokens,
+            temperature=0.1,
+            timeout=cfg.timeout,
+            cost=max(tokens.raw(prompt), tokens.count(prompt, model)) + 8 + cfg.max_tokens,
+            room=self.allowance() - self.tokens_spent,
+        )
+        self.tokens_spent += result.spent
+        if result.status == "budget":
             self.waited += 1
             return "budget", None
-        body: dict[str, Any] = {
-            "messages": messages,
-            "max_tokens": cfg.max_tokens,
-            "temperature": 0.1,
-            "stream": False,
-        }
-        if model:
-            body["model"] = model
         self.calls += 1
-        try:
-            reply, usage = await chat_call(self.summarizer.upstream, body, cfg.timeout)
-        except Exception as exc:
+        if result.status == "failed":
             self.call_failures += 1
-            self.tokens_spent += cost  # it may have run: count it, stay under budget
-            return "failed", f"upstream call failed: {exc}"[:300]
-        spent = usage.get("total_tokens") if usage else None
-        self.tokens_spent += spent if isinstance(spent, int) and spent >= 0 else cost
-        return "ok", reply or ""
+            return "failed", f"upstream call failed: {result.error}"[:300]
+        return "ok", result.reply or ""
 
     # -- passes ---------------------------------------------------------------------------
     async def run_pass(self, user_id: str | None = None) -> PassReport:

@@ -267,30 +267,69 @@ class Summarizer:
         consolidation). None when over budget or when the call fails."""
         cfg = self.settings.summary
         cost = self.tokens.raw("\n".join(m["content"] for m in messages)) + cfg.max_tokens
-        if self.tokens_spent + cost > cfg.budget_share * self.tokens_proxied:
+        result = await budgeted_call(
+            self.upstream,
+            messages,
+            model,
+            max_tokens=cfg.max_tokens,
+            temperature=0.2,
+            timeout=cfg.timeout,
+            cost=cost,
+            room=cfg.budget_share * self.tokens_proxied - self.tokens_spent,
+        )
+        self.tokens_spent += result.spent
+        if result.status == "budget":
             self.skipped_budget += 1
-            return None
-        body: dict[str, Any] = {
-            "messages": messages,
-            "max_tokens": cfg.max_tokens,
-            "temperature": 0.2,
-            "stream": False,
-        }
-        if model:
-            body["model"] = model
-        try:
-            reply, usage = await self._call(body)
-        except Exception:
+        elif result.status == "failed":
             self.failed += 1
-            log.exception("background call to the upstream failed")
-            self.tokens_spent += cost  # it may have run: count it, stay under budget
-            return None
-        spent = usage.get("total_tokens") if usage else None
-        self.tokens_spent += spent if isinstance(spent, int) else cost
-        return reply
+            event(
+                log, logging.WARNING, "background call to the upstream failed", error=result.error
+            )
+        return result.reply
 
-    async def _call(self, body: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
-        return await chat_call(self.upstream, body, self.settings.summary.timeout)
+
+@dataclass(frozen=True)
+class CallResult:
+    """How a budgeted background call went: ``ok`` (with the reply), ``budget`` (not made: over
+    the budget) or ``failed`` (``error`` says why); ``spent`` is the tokens it cost."""
+
+    status: str
+    reply: str | None = None
+    error: str | None = None
+    spent: int = 0
+
+
+async def budgeted_call(
+    upstream: Upstream,
+    messages: list[dict[str, str]],
+    model: str | None,
+    *,
+    max_tokens: int,
+    temperature: float,
+    timeout: float,
+    cost: int,
+    room: float,
+) -> CallResult:
+    """One of Engram's own calls to the upstream, made only if its estimated ``cost`` fits the
+    tokens its budget has ``room`` for. The tokens it spent: the reported ``total_tokens``, else
+    the estimate — a failed call counts in full, since it may have run."""
+    if cost > room:
+        return CallResult("budget")
+    body: dict[str, Any] = {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": False,
+    }
+    if model:
+        body["model"] = model
+    try:
+        reply, usage = await chat_call(upstream, body, timeout)
+    except Exception as exc:
+        return CallResult("failed", error=f"{type(exc).__name__}: {exc}"[:300], spent=cost)
+    spent = usage.get("total_tokens") if usage else None
+    used = spent if isinstance(spent, int) and not isinstance(spent, bool) and spent >= 0 else cost
+    return CallResult("ok", reply, spent=used)
 
 
 async def chat_call(
