@@ -18,6 +18,7 @@ from typing import Any
 
 from proxy.embedder import Embedder
 from proxy.inject import approx_tokens
+from proxy.items import ITEM_ROLES, next_item_position
 from proxy.jsonl import (
     LineError,
     Record,
@@ -71,6 +72,8 @@ Progress = Callable[[ImportReport], None]
 class _SessionState:
     next_position: int
     stored: Counter[str]  # content hashes already in the session, not yet matched
+    # Memory items (summaries, facts) take negative positions, as :mod:`proxy.items` stores them.
+    next_item: int = -1
 
 
 @dataclass
@@ -94,7 +97,8 @@ class _Importer:
             state = f"session {sid!r} belongs to another user namespace"
         elif found is not None:
             hashes = await self.store.session_turn_hashes(sid)
-            state = _SessionState(await self.store.next_position(sid), Counter(hashes))
+            item = await self.store.read(lambda c: next_item_position(c, sid))
+            state = _SessionState(await self.store.next_position(sid), Counter(hashes), item)
         else:
             try:
                 await self.store.get_or_create_session(
@@ -129,8 +133,12 @@ class _Importer:
             state.stored[ident] -= 1
             self.report.duplicates += 1
             return
+        if rec.role in ITEM_ROLES:
+            position, state.next_item = state.next_item, state.next_item - 1
+        else:
+            position, state.next_position = state.next_position, state.next_position + 1
         turn = NewTurn(
-            position=state.next_position,
+            position=position,
             role=rec.role,
             content=content,
             speaker=rec.speaker,
@@ -141,7 +149,6 @@ class _Importer:
             incomplete=rec.incomplete,
             embed_hash=text_hash(_embed_text(rec.role, rec.speaker, content)),
         )
-        state.next_position += 1
         self.pending.append((rec, turn))
 
     async def flush(self) -> None:
@@ -228,3 +235,4 @@ async def import_records(
     if on_progress is not None:
         on_progress(report)
     return report
+

@@ -22,14 +22,19 @@ ITEM_ROLES = ("summary", "fact")
 EMBED_CHARS = 2000
 
 
-def _insert(
-    conn: Connection, session_id: str, user_id: str, turn: NewTurn, vector: Any, source: str | None
-) -> int:
+def next_item_position(conn: Connection, session_id: str) -> int:
+    """The position the session's next item takes: one below its lowest, and below 0."""
     row = conn.execute(
         "SELECT min(position) FROM turns WHERE session_id = ?", (session_id,)
     ).fetchone()
     lowest = row[0] if row and row[0] is not None else 0
-    positioned = dataclasses.replace(turn, position=min(lowest, 0) - 1)
+    return min(int(lowest), 0) - 1
+
+
+def _insert(
+    conn: Connection, session_id: str, user_id: str, turn: NewTurn, vector: Any, source: str | None
+) -> int:
+    positioned = dataclasses.replace(turn, position=next_item_position(conn, session_id))
     (turn_id,) = queries.add_turns(
         conn,
         session_id,

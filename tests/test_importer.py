@@ -11,6 +11,7 @@ import pytest
 
 from proxy.embedder import HashEmbedder
 from proxy.importer import import_records
+from proxy.items import add_item
 from proxy.jsonl import LineError, SessionRecord, TurnRecord, export_line, parse_line
 from proxy.progress import Progress
 from proxy.store.store import Store
@@ -120,3 +121,23 @@ async def test_sub_sessions_and_tool_calls_survive_export_and_import(tmp_path: P
         third = await import_records(b, None, list(enumerate(more, 1)), 10)
         assert (third.imported, third.duplicates) == (1, 1)
         assert [t.position for t in await b.session_turns("parent")] == [0, 1]
+
+
+@pytest.mark.asyncio
+async def test_memory_items_come_back_at_negative_positions(tmp_path: Path) -> None:
+    async with Store(tmp_path / "a.db") as a, Store(tmp_path / "b.db") as b:
+        await import_records(a, None, list(enumerate([_turn("s", "hello")], 1)), 10)
+        await add_item(a, None, "s", "u", "fact", "fact", "Alice lives in Lyon.")
+        await add_item(a, None, "s", "u", "summary", "summary", "They talked about Lyon.")
+        lines = [export_line(item) async for item in a.export("u")]
+        report = await import_records(b, None, list(enumerate(lines, 1)), 10)
+        assert report.errors == [] and report.imported == 3
+        got = {t.content: t.position for t in await b.session_turns("s", -100)}
+        assert got["hello"] == 0
+        assert sorted([got["Alice lives in Lyon."], got["They talked about Lyon."]]) == [-2, -1]
+        # A later item in the imported session goes below them; a later message after "hello".
+        await add_item(b, None, "s", "u", "fact", "fact", "Bob likes chess.")
+        more = [_turn("s", "next message")]
+        await import_records(b, None, list(enumerate(more, 1)), 10)
+        got = {t.content: t.position for t in await b.session_turns("s", -100)}
+        assert got["Bob likes chess."] == -3 and got["next message"] == 1
