@@ -235,4 +235,3 @@ async def import_records(
     if on_progress is not None:
         on_progress(report)
     return report
-
