@@ -198,6 +198,13 @@ class RetrievalSettings:
         "alone finds much less (R@10 0.44 against 0.75), and 0.3 gave the best top 5.",
         min=0,
     )
+    neighbours: int = opt(
+        0,
+        "Turns on each side of a recalled turn, same session, added to the memory block "
+        "after it when they fit and are not already in the prompt.",
+        min=0,
+        max=3,
+    )
     mmr: bool = opt(False, "Re-rank with Maximal Marginal Relevance for diversity.")
     mmr_lambda: float = opt(
         0.5, "MMR trade-off: 1 is pure relevance, 0 pure diversity.", min=0, max=1

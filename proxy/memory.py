@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
 import re
 import time
@@ -45,7 +46,7 @@ from proxy.items import session_items
 from proxy.logs import event
 from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
-from proxy.retrieval import Retriever
+from proxy.retrieval import Hit, Retriever
 from proxy.slots import TOOL_ROLES, Candidate, references
 from proxy.slots import apply as apply_slots
 from proxy.slots import find as find_outputs
@@ -121,6 +122,25 @@ def _max_position(conn: Connection, session_id: str) -> int:
         "SELECT max(position) FROM turns WHERE session_id = ?", (session_id,)
     ).fetchone()
     return -1 if row is None or row[0] is None else int(row[0])
+
+
+def _turns_at(
+    conn: Connection, user_id: str, places: Sequence[tuple[str, int]]
+) -> dict[tuple[str, int], Memory]:
+    """The user's turns at these (session id, position) places, as memories (score 0), by place:
+    one query, each place an exact lookup in the (session_id, position) index (CROSS JOIN keeps
+    SQLite from walking the user's whole turns_user index instead)."""
+    if not places:
+        return {}
+    rows = conn.execute(
+        "SELECT t.id, t.session_id, t.position, t.role, t.speaker, t.content, t.timestamp"
+        " FROM json_each(?) AS p CROSS JOIN turns AS t"
+        " ON t.session_id = json_extract(p.value, '$[0]')"
+        " AND t.position = json_extract(p.value, '$[1]')"
+        " WHERE t.user_id = ?",
+        (json.dumps(places), user_id),
+    )
+    return {(r[1], r[2]): Memory(r[0], r[3], r[4], r[5], r[6], r[1], 0.0) for r in rows}
 
 
 def _owner(conn: Connection, session_id: str) -> str | None:
@@ -611,10 +631,13 @@ class MemoryService:
         )
         present = _texts([*head, *mt.messages[window_start:]])
 
-        def keep(turn: Turn) -> bool:
-            if turn.role not in RECALLED_ROLES or not turn.content.strip():
+        def wanted(role: str, content: str) -> bool:
+            if role not in RECALLED_ROLES or not content.strip():
                 return False
-            return text_hash(turn.content[:EMBED_CHARS]) not in present
+            return text_hash(content[:EMBED_CHARS]) not in present
+
+        def keep(turn: Turn) -> bool:
+            return wanted(turn.role, turn.content)
 
         session = mt.placement.session if mt.placement else None
         if session is None and mt.identity.parent is not None:
@@ -670,9 +693,16 @@ class MemoryService:
         except Exception:  # memory degrades, the request goes on
             log.exception("retrieval failed; forwarding without memories")
             return extra
+        near: dict[int, list[Memory]] = {}
+        if s.neighbours > 0 and hits:
+            try:
+                near = await self._neighbours(mt.identity.user, hits, s.neighbours, wanted)
+            except Exception:  # the hits alone still help
+                log.exception("reading neighbour turns failed; recalling the hits alone")
+        out = list(extra)
         seen = {m.id for m in extra}
-        return extra + [
-            Memory(
+        for h in hits:
+            hit = Memory(
                 h.turn.id,
                 h.turn.role,
                 h.turn.speaker,
@@ -681,9 +711,43 @@ class MemoryService:
                 h.turn.session_id,
                 h.score,
             )
-            for h in hits
-            if h.turn.id not in seen
-        ]
+            for m in (hit, *near.get(h.turn.id, ())):
+                if m.id not in seen:
+                    seen.add(m.id)
+                    out.append(m)
+        return out
+
+    async def _neighbours(
+        self,
+        user: str,
+        hits: Sequence[Hit],
+        n: int,
+        wanted: Callable[[str, str], bool],
+    ) -> dict[int, list[Memory]]:
+        """Each hit's same-session neighbours (positions ±1..n) that ``wanted`` keeps, by hit id:
+        nearest first, the next turn before the previous one; each scores slightly below its hit.
+        One store read for all hits. Memory items (negative positions) have no neighbours."""
+        offsets = [d for i in range(1, n + 1) for d in (i, -i)]
+        places = sorted(
+            {
+                (h.turn.session_id, h.turn.position + d)
+                for h in hits
+                if h.turn.position >= 0
+                for d in offsets
+                if h.turn.position + d >= 0
+            }
+        )
+        found = await self.store.read(lambda c: _turns_at(c, user, places))
+        out: dict[int, list[Memory]] = {}
+        for h in hits:
+            if h.turn.position < 0:
+                continue
+            for d in offsets:
+                m = found.get((h.turn.session_id, h.turn.position + d))
+                if m is not None and wanted(m.role, m.content):
+                    score = h.score * (1 - 0.01 * abs(d))
+                    out.setdefault(h.turn.id, []).append(dataclasses.replace(m, score=score))
+        return out
 
     async def _archive_request(self, mt: MemoryTurn, now: float) -> None:
         placement = mt.placement
