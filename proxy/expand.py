@@ -38,7 +38,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.identity import content_text
 from proxy.slots import REFERENCE, SLOT_ID
 from proxy.slotstore import Slot
 
@@ -262,7 +261,6 @@ class StreamRound:
     client_index: dict[int, int] = field(default_factory=dict)
     usage: dict[str, Any] | None = None
     usage_chunk: dict[str, Any] | None = None
-    finished: bool = False
     round_trip: bool = False
     done: bool = False  # the round's [DONE] arrived
 
@@ -314,7 +312,6 @@ class StreamRound:
         finish = choice.get("finish_reason")
         new = choice if new_delta is delta else {**choice, "delta": new_delta}
         if finish:
-            self.finished = True
             if self.internal and not self.client_index:
                 if self.may_round_trip:
                     self.round_trip = True
@@ -387,7 +384,3 @@ class ToolRejections:
 def mentions_tools(status: int, body: bytes) -> bool:
     """An error reply that looks like "this server/model does not take tools"."""
     return status in (400, 422, 500, 501) and b"tool" in body.lower()
-
-
-def contains_reference(messages: Sequence[Mapping[str, Any]]) -> bool:
-    return any(REFERENCE.search(content_text(m.get("content"))) for m in messages)
