@@ -29,6 +29,7 @@ from proxy.errors import (
 from proxy.feedback import Feedback
 from proxy.forward import read_body, relay
 from proxy.handback import Handback, stop_watching
+from proxy.indexer import Indexer
 from proxy.logs import event
 from proxy.memory import MemoryService
 from proxy.paths import db_path
@@ -183,7 +184,11 @@ async def _open_memory(
         handback=Handback(settings, store, embedder, summarizer, tasks),
         feedback=feedback,
         slots=slots,
+        indexer=Indexer(store, embedder, tasks),
     )
+    assert service.indexer is not None
+    # Turns archived but not embedded when Engram last stopped (a crash, a dead embedder).
+    tasks.spawn(service.indexer.replay(), name="index-replay")
     app[STORE] = store
     app[CONSOLIDATOR] = consolidator
     app[COUNTERS] = counters
@@ -425,7 +430,8 @@ async def metrics(request: web.Request) -> web.Response:
     memory = pipeline.memory
     if memory is not None:
         values["engram_turns_archived_total"] = memory.archived_turns
-        values["engram_embed_failures_total"] = memory.embed_failures
+        indexer = memory.indexer
+        values["engram_embed_failures_total"] = indexer.failures if indexer else 0
         for name, value in app[COUNTERS].current().items():
             values[f"engram_{name}_total"] = value
         values["engram_facts_stored_total"] = app[CONSOLIDATOR].facts_stored

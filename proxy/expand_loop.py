@@ -3,7 +3,8 @@
 :meth:`Expander.run` sends the request with the expansion tool, answers the model's calls to it
 from the slot store, re-sends, and relays to the client only what belongs to the final reply.
 It fills the :class:`proxy.pipeline.ChatTurn`'s status, reply and outcome flags as the plain
-relay does, so archiving and metrics see what the client saw.
+relay does, so archiving and metrics see what the client saw, and awaits ``finish`` (the turn's
+archive) once the final reply is whole, before the client gets its last bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import json
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -33,7 +34,7 @@ from proxy.expand import (
     split_calls,
     with_tool,
 )
-from proxy.forward import is_event_stream
+from proxy.forward import encode_json, is_event_stream
 from proxy.slotstore import SlotStore
 from proxy.sse import ChatAssembler, SSEEvent, SSEParser, reply_from_completion
 from proxy.upstream import Upstream, forward_headers, response_headers
@@ -47,7 +48,7 @@ RETRY_WITHOUT_TOOL = object()  # run()'s answer when the upstream rejected the t
 
 
 def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False).encode()
+    return encode_json(obj)
 
 
 class Expander:
@@ -67,7 +68,12 @@ class Expander:
         return self.settings.expand and not self.rejections.rejected(model)
 
     async def run(
-        self, request: web.Request, turn: ChatTurn, user: str, room: int | None
+        self,
+        request: web.Request,
+        turn: ChatTurn,
+        user: str,
+        room: int | None,
+        finish: Callable[[], Awaitable[None]] | None = None,
     ) -> web.StreamResponse | object:
         """The client's response, or :data:`RETRY_WITHOUT_TOOL` (send it the plain way)."""
         name = self.settings.expand_tool
@@ -83,7 +89,7 @@ class Expander:
                 return RETRY_WITHOUT_TOOL
             turn.reply = reply_from_completion(_json_or_none(data))
             return self._whole(up, turn, data)
-        loop = _Loop(self, request, turn, user, room, base, body)
+        loop = _Loop(self, request, turn, user, room, base, body, finish)
         if is_event_stream(up):
             return await loop.stream(up)
         return await loop.plain(up)
@@ -127,8 +133,10 @@ class _Loop:
         room: int | None,
         base: dict[str, Any],
         body: dict[str, Any],
+        finish: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ex = ex
+        self.finish = finish
         self.request = request
         self.turn = turn
         self.user = user
@@ -182,6 +190,8 @@ class _Loop:
                 obj = json.loads(data)
             self.turn.status = up.status
             self.turn.reply = reply_from_completion(obj)
+            if self.finish is not None:
+                await self.finish()
             return self.ex._whole(up, self.turn, data)
 
     # --- streamed ----------------------------------------------------------------------------
@@ -334,6 +344,9 @@ class _Loop:
         if rnd.done:
             assembler.done = True
             tail.append(b"data: [DONE]\n\n")
+        if self.finish is not None:
+            self.turn.reply = assembler.finish(ended_cleanly=True)
+            await self.finish()
         if tail:
             await resp.write(b"".join(tail))
         await resp.write_eof()

@@ -4,13 +4,20 @@ Bytes go back as they arrive, chunk by chunk, unbuffered. A ``tap`` sees a copy 
 (the chat pipeline reassembles the reply from it). When the client goes away the upstream
 response is closed at once, so the model stops generating; when the upstream dies mid-stream an
 SSE client gets an error event (the openai SDK raises on it) and any other client a truncated body.
+
+A ``finish`` hook runs once the reply is whole and before the client gets its last bytes (the
+chat pipeline archives the turn there, so the client's next request finds it stored): an event
+stream is held back from the chunk in which ``tap`` saw its end (``[DONE]``) or, without one,
+only its end (the terminating chunk); any other body by its last chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -38,6 +45,16 @@ def _too_large(size: int | None, limit: int) -> str:
     )
 
 
+def encode_json(obj: Any) -> bytes:
+    """``obj`` as UTF-8 JSON. A string holding a lone surrogate (legal in JSON as ``\\ud800``,
+    not encodable in UTF-8) makes the whole document go out ASCII-escaped: the same JSON value
+    the client sent, never an encoding error."""
+    try:
+        return json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj).encode()
+
+
 def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
@@ -57,13 +74,20 @@ async def relay(
     *,
     keep_cors: bool,
     extra_headers: Mapping[str, str] | None = None,
-    tap: Callable[[bytes], None] | None = None,
+    tap: Callable[[bytes], bool | None] | None = None,
+    finish: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[web.StreamResponse, RelayOutcome]:
-    """Stream ``upstream`` back to the client. Always closes or releases ``upstream``."""
+    """Stream ``upstream`` back to the client. Always closes or releases ``upstream``.
+
+    ``tap(chunk)`` returns True for the chunk that ends an event stream's reply; ``finish`` runs
+    (and must not raise) before the bytes from there on, or the body's last chunk, are sent."""
     outcome = RelayOutcome()
     try:
         if _small_and_whole(upstream):
-            return await _relay_small(upstream, outcome, keep_cors, extra_headers, tap), outcome
+            whole = await _relay_small(upstream, outcome, keep_cors, extra_headers, tap)
+            if finish is not None and outcome.ended_cleanly:
+                await finish()
+            return whole, outcome
         resp = web.StreamResponse(
             status=upstream.status,
             reason=upstream.reason,
@@ -72,6 +96,9 @@ async def relay(
         if extra_headers:
             resp.headers.update(extra_headers)
         await resp.prepare(request)
+        sse = is_event_stream(upstream)
+        held = b""  # what waits for ``finish``
+        ended = False  # the event stream's end was seen: everything from there on is held
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -80,18 +107,32 @@ async def relay(
                 break
             if not chunk:
                 break
-            if tap is not None:
-                tap(chunk)
+            if tap is not None and tap(chunk):
+                ended = True
+            if finish is not None and (ended or not sse):
+                chunk, held = (b"", held + chunk) if ended else (held, chunk)
+            if not chunk:
+                continue
             try:
                 await resp.write(chunk)
             except ConnectionResetError:
                 outcome.client_gone = True
                 return resp, outcome
-        if outcome.upstream_failed:
-            await _report_upstream_death(request, resp, is_event_stream(upstream))
-        else:
+        try:
+            if outcome.upstream_failed:
+                if held:
+                    await resp.write(held)
+                await _report_upstream_death(request, resp, sse)
+                return resp, outcome
+            if finish is not None:
+                await finish()
+            if held:
+                await resp.write(held)
             await resp.write_eof()
-            outcome.ended_cleanly = True
+        except ConnectionResetError:
+            outcome.client_gone = True
+            return resp, outcome
+        outcome.ended_cleanly = True
         return resp, outcome
     except asyncio.CancelledError:
         outcome.client_gone = True  # aiohttp cancels the handler when the client disconnects
@@ -119,7 +160,7 @@ async def _relay_small(
     outcome: RelayOutcome,
     keep_cors: bool,
     extra_headers: Mapping[str, str] | None,
-    tap: Callable[[bytes], None] | None,
+    tap: Callable[[bytes], bool | None] | None,
 ) -> web.Response:
     try:
         body = await upstream.read()

@@ -129,23 +129,28 @@ def canonical(message: Mapping[str, Any]) -> str:
     data: dict[str, Any] = {"r": role, "c": " ".join(content_text(message.get("content")).split())}
     calls = message.get("tool_calls")
     if isinstance(calls, list) and calls:
-        data["t"] = [
-            [
-                c.get("id"),
-                (c.get("function") or {}).get("name"),
-                (c.get("function") or {}).get("arguments"),
-            ]
-            for c in calls
-            if isinstance(c, Mapping)
-        ]
+        data["t"] = [_call_key(c) for c in calls if isinstance(c, Mapping)]
     for key in ("tool_call_id", "name"):
         if isinstance(message.get(key), str):
             data[key] = message[key]
     return json.dumps(data, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
+def _call_key(call: Mapping[str, Any]) -> list[Any]:
+    """A tool call's id, name and arguments, whatever types the client sent them as."""
+    fn = call.get("function")
+    if not isinstance(fn, Mapping):
+        fn = {}
+    return [call.get("id"), fn.get("name"), fn.get("arguments")]
+
+
+def _digest(text: str) -> str:
+    # surrogatepass: a lone surrogate (legal in JSON, not in UTF-8) still hashes, stably.
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def message_hash(message: Mapping[str, Any]) -> str:
-    return hashlib.sha256(canonical(message).encode()).hexdigest()[:32]
+    return _digest(canonical(message))
 
 
 def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -153,13 +158,38 @@ def chain_hashes(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     out: list[str] = []
     prev = ""
     for msg in messages:
-        prev = hashlib.sha256((prev + canonical(msg)).encode()).hexdigest()[:32]
+        prev = _digest(prev + canonical(msg))
         out.append(prev)
     return out
 
 
 def extend_chain(prev: str, message: Mapping[str, Any]) -> str:
-    return hashlib.sha256((prev + canonical(message)).encode()).hexdigest()[:32]
+    return _digest(prev + canonical(message))
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(value: Any) -> Any:
+    """``value`` (parsed JSON) with every lone surrogate replaced by U+FFFD, or ``value`` itself
+    when it holds none. JSON may spell ``"\\ud800"``; UTF-8, SQLite and tokenizers cannot hold it.
+    (``json.loads`` joins valid pairs, so any surrogate left in a string is a lone one.)"""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value) if _LONE_SURROGATE.search(value) else value
+    if isinstance(value, list):
+        items = [without_lone_surrogates(v) for v in value]
+        changed = any(a is not b for a, b in zip(items, value, strict=True))
+        return items if changed else value
+    if isinstance(value, dict):
+        pairs = {without_lone_surrogates(k): without_lone_surrogates(v) for k, v in value.items()}
+        changed = len(pairs) != len(value) or any(
+            pairs.get(k, _MISSING) is not v for k, v in value.items()
+        )
+        return pairs if changed else value
+    return value
+
+
+_MISSING = object()
 
 
 def anchor_length(messages: Sequence[Mapping[str, Any]]) -> int | None:

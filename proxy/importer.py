@@ -29,8 +29,7 @@ from proxy.jsonl import (
     parse_line,
     parse_record,
 )
-from proxy.memory import EMBED_CHARS
-from proxy.store.models import NewTurn, StoreError, index_text, message_hash, text_hash
+from proxy.store.models import NewTurn, StoreError, embed_text, message_hash, text_hash
 from proxy.store.store import Store
 from proxy.vectors import Vector
 
@@ -147,7 +146,7 @@ class _Importer:
             timestamp=rec.timestamp,
             token_count=approx_tokens(content),
             incomplete=rec.incomplete,
-            embed_hash=text_hash(_embed_text(rec.role, rec.speaker, content)),
+            embed_hash=text_hash(embed_text(rec.role, rec.speaker, content)),
         )
         self.pending.append((rec, turn))
 
@@ -178,7 +177,7 @@ class _Importer:
         wanted = [i for i, t in enumerate(turns) if t.content.strip()]
         try:
             vecs = await self.embedder.embed_passages(
-                [_embed_text(turns[i].role, turns[i].speaker, turns[i].content) for i in wanted]
+                [embed_text(turns[i].role, turns[i].speaker, turns[i].content) for i in wanted]
             )
         except Exception:  # the text is kept; vectors can be backfilled later
             log.exception("embedding failed; importing this batch without vectors")
@@ -187,11 +186,6 @@ class _Importer:
         for i, vec in zip(wanted, vecs, strict=True):
             out[i] = vec
         return out
-
-
-def _embed_text(role: str, speaker: str | None, content: str) -> str:
-    """What a turn's vector is computed from: the same text as the chat pipeline embeds."""
-    return index_text(role, speaker, content)[:EMBED_CHARS]
 
 
 def _redact_call(call: dict[str, Any], redact: Callable[[str], str]) -> dict[str, Any]:

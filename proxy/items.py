@@ -15,11 +15,10 @@ from typing import Any
 from proxy.embedder import Embedder
 from proxy.store import queries
 from proxy.store.db import Connection
-from proxy.store.models import NewTurn, Turn, index_text, text_hash
+from proxy.store.models import NewTurn, Turn, embed_text, text_hash
 from proxy.store.store import Store
 
 ITEM_ROLES = ("summary", "fact")
-EMBED_CHARS = 2000
 
 
 def next_item_position(conn: Connection, session_id: str) -> int:
@@ -61,7 +60,7 @@ async def add_item(
     """Store ``content`` as a memory item of ``session_id``; returns its turn id."""
     if role not in ITEM_ROLES:
         raise ValueError(f"a memory item's role is one of {ITEM_ROLES}, not {role!r}")
-    text = index_text(role, speaker, content)[:EMBED_CHARS]
+    text = embed_text(role, speaker, content)
     vector = (await embedder.embed_passages([text]))[0] if embedder is not None else None
     turn = NewTurn(
         position=-1,

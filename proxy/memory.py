@@ -1,15 +1,21 @@
-"""The memory stages of a chat turn: identify → archive → retrieve → inject; archive the reply.
+"""The memory stages of a chat turn: identify → place → recall → rewrite; then archive.
 
 On the request path: resolve the user and session (one indexed query, plus a tiny write when a
-session is new), then one hybrid search and the injection. Archiving (redaction, embedding,
-inserts) runs in tracked background tasks: it never delays the response, and a client that goes
-away loses nothing that reached Engram.
+session is new), then one hybrid search and the injection. The request's new messages (redacted
+beside the upstream call) and the reply are archived by :meth:`MemoryService.commit` in one write
+transaction, which the pipeline runs when the upstream's reply has ended and before the client
+gets its last byte: the next request of a conversation, however fast it follows, finds this one
+stored, and a turn the client received survives a crash of Engram. Vectors follow in the
+background (:mod:`proxy.indexer`). A client that goes away loses nothing that reached Engram: what
+arrived is committed in the background.
 
 Sessions: an explicit id (header or body) names the session, scoped to its user. Without one the
 conversation is recognised by its chain of message hashes (``proxy.identity``): a stored session
 whose turns are a prefix of this request, matched through at least the first assistant reply, is
 continued; one whose stored turns go on differently after the match (an edited or regenerated
-message) is forked: the new session stores the turns from the point where they differ.
+message) is forked: the new session stores the turns from the point where they differ. The commit
+checks the placement again inside its transaction: if a concurrent request of the same
+conversation stored something else at these positions meanwhile, the rest forks there.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ from proxy.identity import (
     extend_chain,
     identify,
     is_housekeeping,
+    without_lone_surrogates,
 )
+from proxy.indexer import Indexer
 from proxy.inject import Memory, approx_tokens, memory_block
 from proxy.items import session_items
 from proxy.logs import event
@@ -53,7 +61,7 @@ from proxy.slots import find as find_outputs
 from proxy.slotstore import SlotStore
 from proxy.store import queries
 from proxy.store.db import Connection
-from proxy.store.models import NewTurn, Session, Turn, index_text, text_hash
+from proxy.store.models import EMBED_CHARS, NewTurn, Session, Turn, embed_text, text_hash
 from proxy.store.store import Store
 from proxy.summarizer import Summarizer, get_summary
 from proxy.tasks import BackgroundTasks
@@ -70,8 +78,8 @@ PROMPT_SAFETY = 0.05  # share of the budget left unused: token estimates err by 
 # Messages whose token counts are remembered (by chain hash) across requests.
 SIZE_CACHE = 50_000
 LAST_REQUESTS = 1000
-# Longest text embedded for a turn (the default model reads 256 tokens anyway).
-EMBED_CHARS = 2000
+# New messages with more text than this are made into archive rows on a thread.
+THREAD_CHARS = 20_000
 
 
 @dataclass
@@ -99,7 +107,11 @@ class MemoryTurn:
     previous_start: int | None = None  # where this conversation's last window began
     memory_room: int = 0  # tokens the memory block may take in this request
     placement: Placement | None = None
-    archive_task: asyncio.Task[Any] | None = None
+    # The archive rows of the request's new messages, made beside the upstream call; committed
+    # with the reply by MemoryService.commit (once: ``committed``).
+    request_rows: asyncio.Task[list[NewTurn]] | None = None
+    committed: bool = False
+    summary_upto: int | None = None  # after the commit, fold the turns before this into the summary
     injected: list[int] = field(default_factory=list)
     skipped: str | None = None  # why memory did nothing (housekeeping, …)
     budget: int | None = None  # prompt tokens the upstream's context allows (None: unknown)
@@ -285,7 +297,7 @@ def to_new_turns(
                 token_count=approx_tokens(text),
                 incomplete=incomplete,
                 content_hash=chain,
-                embed_hash=text_hash(index_text(role, name, text)[:EMBED_CHARS]),
+                embed_hash=text_hash(embed_text(role, name, text)),
             )
         )
     return out
@@ -316,6 +328,7 @@ class MemoryService:
         handback: Handback | None = None,
         feedback: Feedback | None = None,
         slots: SlotStore | None = None,
+        indexer: Indexer | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -328,6 +341,7 @@ class MemoryService:
         self.handback = handback
         self.feedback = feedback
         self.slots = slots
+        self.indexer = indexer
         self._sizes: OrderedDict[str, int] = OrderedDict()  # chain hash -> message tokens
         self._raw_counts: OrderedDict[str, int] = OrderedDict()  # text hash -> tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
@@ -337,14 +351,13 @@ class MemoryService:
             re.compile("|".join(f"(?:{p})" for p in extra), re.I) if extra else None
         )
         self.archived_turns = 0
-        self.embed_failures = 0
 
     async def before_forward(
         self, headers: Mapping[str, str], body: dict[str, Any], mode: str
     ) -> MemoryTurn:
         """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
         returns what it decided (``mt.forward``, when set, is the messages to forward)."""
-        messages: list[dict[str, Any]] = body["messages"]
+        messages: list[dict[str, Any]] = without_lone_surrogates(body["messages"])
         ident = identify(headers, body)
         housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")
@@ -353,7 +366,9 @@ class MemoryService:
         # hashed and placed.
         query = self._query_vector(messages) if recall and not housekeeping else None
         try:
-            return await self._before_forward(ident, body, housekeeping, write, recall, query)
+            return await self._before_forward(
+                ident, messages, body, housekeeping, write, recall, query
+            )
         finally:
             if query is not None and not query.done():
                 query.cancel()
@@ -370,13 +385,13 @@ class MemoryService:
     async def _before_forward(
         self,
         ident: Identity,
+        messages: list[dict[str, Any]],
         body: dict[str, Any],
         housekeeping: bool,
         write: bool,
         recall: bool,
         query: asyncio.Task[Any] | None,
     ) -> MemoryTurn:
-        messages: list[dict[str, Any]] = body["messages"]
         mt = MemoryTurn(ident, messages, chain_hashes(messages), query_vector=query)
         mt.model = body.get("model") if isinstance(body.get("model"), str) else None
         if housekeeping:
@@ -399,15 +414,12 @@ class MemoryService:
         try:
             await self._compose(mt, body, recall=recall)
         finally:
-            # Archived after recall (and whatever recall did): the request's own embedding
-            # would otherwise reach the one embedder thread before the query's and delay it.
+            # The archive rows are made while the upstream answers; the commit writes them.
             if write and mt.placement is not None:
-                mt.archive_task = self.tasks.spawn(
-                    self._archive_request(mt, now), name="archive-request"
-                )
+                mt.request_rows = self.tasks.spawn(self._request_rows(mt, now), name="archive-rows")
         a = mt.assembly
         if write and a is not None and a.rewritten and mt.placement is not None:
-            self._schedule_summary(mt, a.window_start)
+            mt.summary_upto = a.window_start
         return mt
 
     def record_request(self, request_id: str, mt: MemoryTurn) -> None:
@@ -432,8 +444,6 @@ class MemoryService:
             return
 
         async def run() -> None:
-            if mt.archive_task is not None:
-                await asyncio.gather(mt.archive_task, return_exceptions=True)
             await summarizer.update(placement.session.id, upto, mt.model)
 
         self.tasks.spawn(run(), name="summary")
@@ -749,86 +759,122 @@ class MemoryService:
                     out.setdefault(h.turn.id, []).append(dataclasses.replace(m, score=score))
         return out
 
-    async def _archive_request(self, mt: MemoryTurn, now: float) -> None:
+    async def _request_rows(self, mt: MemoryTurn, now: float) -> list[NewTurn]:
+        """Archive rows for the request's messages that its session does not hold yet."""
         placement = mt.placement
         assert placement is not None
         first = placement.matched
         new = mt.messages[first:]
-        if not new:
-            return
-        rows = to_new_turns(
-            new,
-            mt.chains[first:],
-            placement.next_position,
-            self.settings.memory.redact_secrets,
-            now,
-        )
-        await self._store_turns(placement.session, rows, placement.explicit)
 
-    async def after_reply(
-        self, mt: MemoryTurn, reply_message: dict[str, Any], complete: bool
+        def make() -> list[NewTurn]:
+            return to_new_turns(
+                new,
+                mt.chains[first:],
+                placement.next_position,
+                self.settings.memory.redact_secrets,
+                now,
+            )
+
+        chars = sum(len(content_text(m.get("content"))) for m in new)
+        return await asyncio.to_thread(make) if chars > THREAD_CHARS else make()
+
+    async def commit(
+        self, mt: MemoryTurn, reply_message: dict[str, Any] | None, complete: bool
     ) -> None:
-        """Archive the assistant's reply (after the request's own messages)."""
-        if mt.archive_task is not None:
-            await asyncio.gather(mt.archive_task, return_exceptions=True)
+        """Archive the request's new messages and the reply in one write transaction (at most
+        once per request), then embed them and fold aged turns into the summary, both in the
+        background. The caller shields this from cancellation."""
         placement = mt.placement
-        if placement is None:
+        if placement is None or mt.committed:
             return
-        if not content_text(reply_message.get("content")) and not reply_message.get("tool_calls"):
-            return
-        prev = mt.chains[-1] if mt.chains else ""
-        chain = extend_chain(prev, reply_message)
-        position = placement.next_position + len(mt.messages) - placement.matched
-        rows = to_new_turns(
-            [reply_message],
-            [chain],
-            position,
-            self.settings.memory.redact_secrets,
-            time.time(),
-            incomplete=not complete,
-        )
-        await self._store_turns(placement.session, rows, placement.explicit)
+        mt.committed = True
+        rows = list(await mt.request_rows) if mt.request_rows is not None else []
+        now = time.time()
+        if reply_message is not None and (
+            content_text(reply_message.get("content")) or reply_message.get("tool_calls")
+        ):
+            reply_message = without_lone_surrogates(reply_message)
+            prev = mt.chains[-1] if mt.chains else ""
+            position = placement.next_position + len(mt.messages) - placement.matched
+            rows += to_new_turns(
+                [reply_message],
+                [extend_chain(prev, reply_message)],
+                position,
+                self.settings.memory.redact_secrets,
+                now,
+                incomplete=not complete,
+            )
+        if rows:
+            session, inserted = await self.store.write(
+                lambda c: commit_turns(c, placement, rows, now)
+            )
+            self.archived_turns += len(inserted)
+            if session.id != placement.session.id:
+                mt.placement = dataclasses.replace(placement, session=session)
+            event(log, logging.DEBUG, "archived", session=session.id, turns=len(inserted))
+            if self.indexer is not None:
+                self.indexer.submit(inserted)
+        if mt.summary_upto is not None:
+            self._schedule_summary(mt, mt.summary_upto)
 
-    async def _store_turns(
-        self, session: Session, rows: list[NewTurn], explicit: bool = False
-    ) -> None:
-        """Embed and store ``rows``. In a session named by the client, positions are append
-        order, given at write time, so requests in flight together never collide."""
-        vectors: list[Any] | None = None
-        if self.embedder is not None:
-            wanted = [i for i, r in enumerate(rows) if r.content.strip()]
-            try:
-                vecs = await self.embedder.embed_passages(
-                    [
-                        index_text(rows[i].role, rows[i].speaker, rows[i].content)[:EMBED_CHARS]
-                        for i in wanted
-                    ]
-                )
-                vectors = [None] * len(rows)
-                for i, v in zip(wanted, vecs, strict=True):
-                    vectors[i] = v
-            except Exception:  # the text is kept; vectors can be backfilled later
-                self.embed_failures += 1
-                log.exception("embedding failed; archiving without vectors")
-                vectors = None
-        if explicit:
-            ids = await self.store.write(lambda c: _append(c, session, rows, vectors))
-        else:
-            ids = await self.store.add_turns(session.id, session.user_id, rows, vectors)
-        self.archived_turns += len(ids)
-        event(log, logging.DEBUG, "archived", session=session.id, turns=len(ids))
+
+def commit_turns(
+    conn: Connection, placement: Placement, rows: list[NewTurn], now: float
+) -> tuple[Session, list[tuple[int, NewTurn]]]:
+    """Store a request's rows where its placement says, checked again inside this transaction;
+    returns the session they went to and the (id, row) of each row inserted.
+
+    In a session named by the client, rows are appended after its last turn (those it holds
+    already are skipped). Otherwise each row has its position: one the session holds with the
+    same chain hash is already stored; one it holds with another hash means a concurrent request
+    of this conversation went another way meanwhile, so this row and the rest go to a new
+    session forked there (as :func:`place` forks an edited conversation).
+    """
+    session = queries.get_session(conn, placement.session.id)
+    if session is None:  # forgotten while the request ran: nothing to add it to
+        log.info("session %s was deleted during the request; not archived", placement.session.id)
+        return placement.session, []
+    if placement.explicit:
+        return session, _append(conn, session, rows, None)
+    stored = dict(
+        conn.execute(
+            "SELECT position, content_hash FROM turns WHERE session_id = ? AND position >= ?",
+            (session.id, min(r.position for r in rows)),
+        ).fetchall()
+    )
+    fresh: list[NewTurn] = []
+    for i, row in enumerate(rows):
+        held = stored.get(row.position)
+        if held is None:
+            fresh.append(row)
+        elif held != row.identity():
+            parent = queries.get_session(conn, session.parent_id) if session.parent_id else None
+            fork = _new_session(
+                conn,
+                session.user_id,
+                "s-" + uuid.uuid4().hex[:20],
+                session.fingerprint,
+                now,
+                parent,
+                session.agent,
+            )
+            log.debug("concurrent requests diverged: forked %s at %d", session.id, row.position)
+            inserted = queries.insert_turns(conn, session.id, session.user_id, fresh, None, now)
+            rest = queries.insert_turns(conn, fork.id, fork.user_id, rows[i:], None, now)
+            return fork, inserted + rest
+    return session, queries.insert_turns(conn, session.id, session.user_id, fresh, None, now)
 
 
 def _append(
     conn: Connection, session: Session, rows: list[NewTurn], vectors: list[Any] | None
-) -> list[int]:
+) -> list[tuple[int, NewTurn]]:
     """Append the rows the session does not hold yet, numbered after its last turn."""
     stored = set(queries.session_turn_hashes(conn, session.id))
     keep = [i for i, r in enumerate(rows) if r.identity() not in stored]
     base = _max_position(conn, session.id) + 1
     fresh = [dataclasses.replace(rows[i], position=base + n) for n, i in enumerate(keep)]
     vecs = [vectors[i] for i in keep] if vectors is not None else None
-    return queries.add_turns(conn, session.id, session.user_id, fresh, vecs, time.time())
+    return queries.insert_turns(conn, session.id, session.user_id, fresh, vecs, time.time())
 
 
 # Characters past EMBED_CHARS that redaction reads too, so that a secret straddling the cut is

@@ -1,10 +1,13 @@
-"""One chat turn: identify → archive → retrieve → rewrite → forward → archive reply.
+"""One chat turn: identify → place → retrieve → rewrite → forward → archive the turn.
 
 The body is an opaque dict: only ``messages`` (and ``tools`` when Engram adds its own) may change;
 every other field, unknown vendor fields and nulls included, reaches the upstream as sent. When
 nothing changed the client's exact bytes are forwarded. The reply is relayed as it arrives and
-reassembled on the side; what was assembled (complete or not) goes to the reply hooks in the
-background, also when the client went away or the upstream died mid-stream.
+reassembled on the side. When the upstream answered 200 the turn (the request's new messages and
+the reply) is archived durably once the reply is whole and before the client's last byte is sent
+(:meth:`ChatPipeline._commit`); when the client went away or the upstream died mid-stream, what
+arrived is archived in the background. What was assembled then goes to the reply hooks, in the
+background.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError
 from proxy.expand import can_add_tool
 from proxy.expand_loop import Expander
-from proxy.forward import is_event_stream, read_body, relay
+from proxy.forward import encode_json, is_event_stream, read_body, relay
 from proxy.memory import MemoryService, MemoryTurn
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
 from proxy.tasks import BackgroundTasks
@@ -143,7 +146,7 @@ class ChatPipeline:
         self.reply_hooks: list[ReplyHook] = []
         self.counts: Counter[str] = Counter()  # for /engram/metrics
         if memory is not None:
-            self.reply_hooks += [self._archive_reply, self._learn_tokens]
+            self.reply_hooks.append(self._learn_tokens)
         self.keep_cors = bool(settings.server.cors_origins)
         self.expander = (
             Expander(settings.slots, memory.slots, upstream, self.keep_cors)
@@ -170,9 +173,7 @@ class ChatPipeline:
         turn.response_headers["X-Engram-Request-Id"] = request_id
         if self.memory is not None:
             await self._remember(request, turn)
-        payload = (
-            json.dumps(turn.body, ensure_ascii=False).encode() if turn.messages_changed else raw
-        )
+        payload = encode_json(turn.body) if turn.messages_changed else raw
         return await self._forward(request, turn, payload)
 
     async def _forward_raw(
@@ -193,7 +194,9 @@ class ChatPipeline:
             mt = turn.memory
             room = mt.budget - mt.assembly.tokens if mt.budget and mt.assembly else None
             try:
-                result = await self.expander.run(request, turn, mt.identity.user, room)
+                result = await self.expander.run(
+                    request, turn, mt.identity.user, room, finish=lambda: self._commit(turn)
+                )
             except BaseException:
                 if turn.status is not None:  # the upstream answered: archive what came
                     self._after_reply(turn)
@@ -210,17 +213,35 @@ class ChatPipeline:
         parser, assembler = SSEParser(), ChatAssembler()
         plain: list[bytes] = []
 
-        def tap(chunk: bytes) -> None:
-            if sse:
-                for event in parser.feed(chunk):
-                    assembler.add_event(event)
-            else:
+        def tap(chunk: bytes) -> bool:
+            """Reassemble the reply; True when this chunk ends the event stream."""
+            if not sse:
                 plain.append(chunk)
+                return False
+            was_done = assembler.done
+            for event in parser.feed(chunk):
+                assembler.add_event(event)
+            return assembler.done and not was_done
+
+        async def finish() -> None:
+            """The reply is whole: archive the turn before the client gets the last bytes."""
+            if sse:
+                for event in parser.close():
+                    assembler.add_event(event)
+                turn.reply = assembler.finish(ended_cleanly=True)
+            else:
+                turn.reply = _plain_reply(b"".join(plain), True)
+            await self._commit(turn)
 
         ended_cleanly = False
         try:
             resp, outcome = await relay(
-                request, up, keep_cors=self.keep_cors, extra_headers=turn.response_headers, tap=tap
+                request,
+                up,
+                keep_cors=self.keep_cors,
+                extra_headers=turn.response_headers,
+                tap=tap,
+                finish=finish if self._archives(turn) else None,
             )
             ended_cleanly = outcome.ended_cleanly
             turn.client_gone = outcome.client_gone
@@ -283,17 +304,50 @@ class ChatPipeline:
         model = turn.body.get("model")
         tokens.learn(model if isinstance(model, str) else None, estimated, reported)
 
-    async def _archive_reply(self, turn: ChatTurn) -> None:
-        if self.memory is None or turn.memory is None or turn.reply is None:
+    def _archives(self, turn: ChatTurn) -> bool:
+        """Whether this turn is archived: it was placed in a session (memory on or write-only,
+        not housekeeping) and the upstream accepted it."""
+        mt = turn.memory
+        return (
+            self.memory is not None
+            and mt is not None
+            and mt.placement is not None
+            and turn.mode in ("on", "write-only")  # read-only recalls, it never stores
+            and not mt.committed
+            and turn.status == 200
+        )
+
+    async def _commit(self, turn: ChatTurn) -> None:
+        """Archive the turn (request messages and reply) durably, once; never raises. Shielded:
+        a client that goes away meanwhile does not interrupt the write."""
+        if not self._archives(turn):
             return
-        if turn.status != 200 or turn.memory.placement is None:
-            return
-        if turn.mode not in ("on", "write-only"):  # read-only recalls, it never stores
-            return
-        await self.memory.after_reply(turn.memory, turn.reply.message(), turn.reply.complete)
+        assert self.memory is not None and turn.memory is not None
+        reply = turn.reply.message() if turn.reply is not None else None
+        complete = turn.reply.complete if turn.reply is not None else False
+        job = self.tasks.spawn(
+            self.memory.commit(turn.memory, reply, complete), name=f"archive:{turn.request_id}"
+        )
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # logged by the task set; the reply still goes out
+            self.counts["archive_failures"] += 1
 
     def _after_reply(self, turn: ChatTurn) -> None:
-        """Hand the finished turn to the hooks, in the background (never on the client's time)."""
+        """Archive what arrived if the relay did not (the client went away, the upstream died
+        mid-stream), then hand the finished turn to the hooks, in the background."""
+        if self._archives(turn):
+            self.tasks.spawn(self._commit_then_hooks(turn), name=f"reply:{turn.request_id}")
+        else:
+            self._run_hooks(turn)
+
+    async def _commit_then_hooks(self, turn: ChatTurn) -> None:
+        await self._commit(turn)
+        self._run_hooks(turn)
+
+    def _run_hooks(self, turn: ChatTurn) -> None:
         counts = self.counts
         counts[f"chat_{turn.mode}"] += 1
         counts["client_disconnects"] += turn.client_gone

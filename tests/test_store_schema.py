@@ -334,8 +334,34 @@ def test_migration_5_upgrades_a_version_4_database(
             m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:4])
             assert migrations.migrate(c) == [1, 2, 3, 4]
         assert "slots" not in _objects(c, "table")
-        assert migrations.migrate(c) == [5]
+        assert migrations.migrate(c) == [5, 6]
         assert "slots" in _objects(c, "table")
+    finally:
+        c.close()
+
+
+def test_migration_6_indexes_the_turns_waiting_for_a_vector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = db.connect(tmp_path / "v5.db")
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:5])
+            assert migrations.migrate(c) == [1, 2, 3, 4, 5]
+        _add_session(c)
+        _add_turn(c, 0, "archived before the upgrade, never embedded")
+        assert "turns_unembedded" not in _objects(c, "index")
+        assert migrations.migrate(c) == [6]
+        assert "turns_unembedded" in _objects(c, "index")
+        plan = " ".join(
+            str(r[-1])
+            for r in c.execute(
+                "EXPLAIN QUERY PLAN SELECT id FROM turns WHERE embed_hash IS NULL AND id > 0"
+            )
+        )
+        assert "turns_unembedded" in plan
+        (n,) = c.execute("SELECT count(*) FROM turns WHERE embed_hash IS NULL").fetchone()
+        assert n == 1
     finally:
         c.close()
 

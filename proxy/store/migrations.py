@@ -372,6 +372,12 @@ def _m005_slots(conn: Connection) -> None:
     )
 
 
+def _m006_unembedded(conn: Connection) -> None:
+    """Turns are archived the moment a reply ends and embedded afterwards, in the background;
+    the turns still waiting (``embed_hash IS NULL``) are what the indexer replays at start."""
+    conn.execute("CREATE INDEX turns_unembedded ON turns(id) WHERE embed_hash IS NULL")
+
+
 Migration = Callable[[Connection], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -380,6 +386,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (3, _m003_items_and_completion),
     (4, _m004_feedback),
     (5, _m005_slots),
+    (6, _m006_unembedded),
 )
 """(version, function), ascending. Append only."""
 

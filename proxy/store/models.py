@@ -65,6 +65,15 @@ def index_text(role: str, speaker: str | None, content: str) -> str:
     return f"{speaker or role}: {content}"
 
 
+EMBED_CHARS = 2000
+"""Longest text embedded for a turn (the default model reads 256 tokens anyway)."""
+
+
+def embed_text(role: str, speaker: str | None, content: str) -> str:
+    """What a turn's vector is computed from: :func:`index_text`, cut to :data:`EMBED_CHARS`."""
+    return index_text(role, speaker, content)[:EMBED_CHARS]
+
+
 def text_hash(text: str) -> str:
     """A stable 128-bit hex id of a text (what its embedding is keyed by)."""
     return _digest(text)

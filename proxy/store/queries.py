@@ -245,6 +245,18 @@ def add_turns(
 
     Returns the ids of the turns inserted, in input order.
     """
+    return [i for i, _ in insert_turns(conn, session_id, user_id, turns, vectors, now)]
+
+
+def insert_turns(
+    conn: Connection,
+    session_id: str,
+    user_id: str,
+    turns: Sequence[NewTurn],
+    vectors: Sequence[Vector | None] | None,
+    now: float,
+) -> list[tuple[int, NewTurn]]:
+    """:func:`add_turns`, answering (id, turn) for each turn inserted."""
     if vectors is None:
         vectors = [None] * len(turns)
     if len(vectors) != len(turns):
@@ -254,7 +266,7 @@ def add_turns(
         raise SessionNotFound(f"session {session_id!r} does not exist")
     if session.user_id != user_id:
         raise SessionConflict(f"session {session_id!r} belongs to another user namespace")
-    ids: list[int] = []
+    ids: list[tuple[int, NewTurn]] = []
     for turn, vec in zip(turns, vectors, strict=True):
         embed_hash = None
         if vec is not None:
@@ -286,7 +298,7 @@ def add_turns(
             continue
         if vec is not None:
             insert_vector(conn, cur.lastrowid, user_id, session_id, session.indexed, vec)
-        ids.append(cur.lastrowid)
+        ids.append((cur.lastrowid, turn))
     conn.execute(
         "UPDATE sessions SET last_seen = max(last_seen, ?) WHERE id = ?", (now, session_id)
     )
@@ -314,10 +326,16 @@ def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> i
     return done
 
 
-def turns_without_vectors(conn: Connection, user_id: str | None, limit: int) -> list[Turn]:
-    """Turns with text but no vector (stored while the embedder was down), oldest first."""
-    sql = f"SELECT {_TURN_COLS} FROM turns WHERE embed_hash IS NULL AND content != ''"
-    args: list[Any] = []
+def turns_without_vectors(
+    conn: Connection, user_id: str | None, limit: int, after_id: int = 0
+) -> list[Turn]:
+    """Turns with text but no vector yet, oldest first, from ids above ``after_id``: archived
+    turns waiting for the indexer (or stored while the embedder was down)."""
+    sql = (
+        f"SELECT {_TURN_COLS} FROM turns WHERE embed_hash IS NULL AND trim(content) != ''"
+        " AND id > ?"
+    )
+    args: list[Any] = [after_id]
     if user_id is not None:
         sql += " AND user_id = ?"
         args.append(user_id)

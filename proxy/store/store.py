@@ -27,7 +27,8 @@ Public surface (all ``async`` except the constructor)::
     delete_user(user_id) -> bool
     add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns;
                                                           positions already stored are skipped
-    set_vectors([(turn_id, vector, embed_hash)]) -> int; turns_without_vectors(user_id, limit)
+    set_vectors([(turn_id, vector, embed_hash)]) -> int
+    turns_without_vectors(user_id, limit, after_id=0)   what the indexer has yet to embed
     vectors_by_embed_hash(hashes) -> dict[str, Vector]   reuse: texts embedded before
     count_turns(session_id) -> int; session_turn_hashes(session_id) -> list[str]
     session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int
@@ -301,8 +302,10 @@ class Store:
         items = list(items)
         return await self.write(lambda c: queries.set_vectors(c, items))
 
-    async def turns_without_vectors(self, user_id: str | None, limit: int = 256) -> list[Turn]:
-        return await self.read(lambda c: queries.turns_without_vectors(c, user_id, limit))
+    async def turns_without_vectors(
+        self, user_id: str | None, limit: int = 256, after_id: int = 0
+    ) -> list[Turn]:
+        return await self.read(lambda c: queries.turns_without_vectors(c, user_id, limit, after_id))
 
     async def vectors_by_embed_hash(self, hashes: Sequence[str]) -> dict[str, Vector]:
         hashes = list(hashes)
