@@ -425,7 +425,13 @@ async def metrics(request: web.Request) -> web.Response:
     }
     for mode in ("on", "off", "read-only", "write-only"):
         values[f'engram_chat_requests_total{{mode="{mode}"}}'] = pipeline.counts[f"chat_{mode}"]
-    for name in ("client_disconnects", "upstream_failures", "memories_injected"):
+    for name in (
+        "client_disconnects",
+        "upstream_failures",
+        "memories_injected",
+        "memory_failures",
+        "archive_failures",
+    ):
         values[f"engram_{name}_total"] = pipeline.counts[name]
     memory = pipeline.memory
     if memory is not None:

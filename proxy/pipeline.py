@@ -267,7 +267,8 @@ class ChatPipeline:
         except EngramError:
             raise  # the request itself is wrong (e.g. a sub-agent nested too deep): a 4xx
         except Exception:
-            log.exception("memory stages failed; forwarding the request unchanged")
+            self.counts["memory_failures"] += 1
+            log.exception("memory stages failed; forwarding the request unchanged (not archived)")
             return
         turn.memory = mt
         try:
