@@ -73,7 +73,8 @@ def start_llama_server(log_path: Path) -> LlamaServer:
     try:
         if llama_server.binary_path() is None:
             problem = (
-                f"llama-server is not built (expected {llama_server.cached_binary()}); "
+                "llama-server is not built and verified on this CPU "
+                f"(expected {llama_server.cached_binary()}); "
                 "`make test` builds it (`python -m proxy.bundled build`), "
                 f"or set {llama_server.BINARY_ENV}"
             )
@@ -100,7 +101,8 @@ def start_llama_server(log_path: Path) -> LlamaServer:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(
-                f"llama-server exited with status {proc.returncode} while starting "
+                "llama-server stopped while starting: "
+                f"{llama_server.describe_exit(proc.returncode)} "
                 f"({' '.join(cmd)}):\n{server.log_tail()}",
                 pytrace=False,
             )
