@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from proxy.embedder import Embedder, Kind
-from proxy.memory import EMBED_CHARS
+from proxy.store.models import EMBED_CHARS
 from proxy.store import NewTurn, Store, queries
 from proxy.store.db import describe
 from proxy.store.models import index_text, text_hash
