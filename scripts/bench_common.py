@@ -24,10 +24,9 @@ from typing import Any
 import numpy as np
 
 from proxy.embedder import Embedder, Kind
-from proxy.store.models import EMBED_CHARS
 from proxy.store import NewTurn, Store, queries
 from proxy.store.db import describe
-from proxy.store.models import index_text, text_hash
+from proxy.store.models import EMBED_CHARS, index_text, text_hash
 from proxy.vectors import Vector
 
 ROOT = Path(__file__).resolve().parent.parent
