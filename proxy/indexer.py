@@ -1,11 +1,13 @@
-"""Vectors for archived turns, computed after the fact, and caught up at start.
+"""Indexing archived turns after the fact, and catching up at start.
 
-A chat turn's messages and reply are archived (text and full-text index) in the one write
-transaction that ends the reply, before its last byte reaches the client: that is what makes an
-answered turn survive a crash. Embedding is the slow part, so it happens here, afterwards, in
-tracked background tasks. A turn archived but not yet embedded (``embed_hash IS NULL``) is the
-journal: :meth:`Indexer.replay` embeds every such turn when Engram starts (after a crash, or
-turns stored while the embedder was down), oldest first, in batches.
+A chat turn's messages and reply are archived (their rows alone) in the one write transaction
+that ends the reply, before its last byte reaches the client: that is what makes an answered turn
+survive a crash, and what the next request's session placement reads. Indexing is the slow part,
+so it happens here, afterwards, in tracked background tasks: the full-text row (with the
+neighbours' ``ctx`` rewrite, :func:`proxy.store.queries.index_deferred`), then the vector. The
+turns table is the journal: a turn with ``fts_pending = 1`` or ``embed_hash IS NULL`` still waits,
+and :meth:`Indexer.replay` finishes every such turn when Engram starts (after a crash, or turns
+stored while the embedder was down), oldest first, in batches.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 
 from proxy.embedder import Embedder
 from proxy.logs import event
+from proxy.store import queries
 from proxy.store.models import NewTurn, embed_text, text_hash
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
@@ -25,24 +28,31 @@ REPLAY_BATCH = 64
 
 
 class Indexer:
-    """Embeds archived turns in the background; ``embedder=None`` makes it do nothing."""
+    """Indexes archived turns in the background (full text always, vectors with an embedder)."""
 
     def __init__(self, store: Store, embedder: Embedder | None, tasks: BackgroundTasks) -> None:
         self.store = store
         self.embedder = embedder
         self.tasks = tasks
+        self.indexed = 0  # turns given their full-text row
         self.embedded = 0  # turns given a vector
         self.failures = 0  # batches the embedder failed on (their turns wait for the replay)
 
     def submit(self, rows: Sequence[tuple[int, NewTurn]]) -> None:
-        """Embed these just-archived turns (id, row) in the background."""
+        """Index these just-archived turns (id, row) in the background."""
+        if rows:
+            self.tasks.spawn(self._index(rows), name="index-turns")
+
+    async def _index(self, rows: Sequence[tuple[int, NewTurn]]) -> None:
+        ids = [turn_id for turn_id, _ in rows]
+        self.indexed += await self.store.write(lambda c: queries.index_deferred(c, ids))
         items = [
             (turn_id, embed_text(r.role, r.speaker, r.content))
             for turn_id, r in rows
             if r.content.strip()
         ]
         if items and self.embedder is not None:
-            self.tasks.spawn(self._embed(items), name="index-turns")
+            await self._embed(items)
 
     async def _embed(self, items: Sequence[tuple[int, str]]) -> bool:
         """Embed and store ``(turn id, text)`` pairs; False when the embedder failed."""
@@ -63,7 +73,25 @@ class Indexer:
         return True
 
     async def replay(self, batch: int = REPLAY_BATCH) -> int:
-        """Embed every archived turn that has no vector yet; returns how many got one."""
+        """Index every archived turn still waiting: full text, then vectors; returns how many
+        turns got either."""
+        indexed = 0
+        while ids := await self.store.read(lambda c: queries.pending_index_ids(c, batch * 8)):
+            done = await self.store.write(lambda c: queries.index_deferred(c, ids))
+            if not done:
+                break  # nothing moved: never loop on the same ids
+            indexed += done
+        self.indexed += indexed
+        if indexed:
+            event(
+                log,
+                logging.INFO,
+                "full-text indexed turns archived before the last stop",
+                turns=indexed,
+            )
+        return indexed + await self._replay_vectors(batch)
+
+    async def _replay_vectors(self, batch: int) -> int:
         if self.embedder is None:
             return 0
         before, after = self.embedded, 0

@@ -835,7 +835,7 @@ def commit_turns(
         log.info("session %s was deleted during the request; not archived", placement.session.id)
         return placement.session, []
     if placement.explicit:
-        return session, _append(conn, session, rows, None)
+        return session, _append(conn, session, rows, now)
     stored = dict(
         conn.execute(
             "SELECT position, content_hash FROM turns WHERE session_id = ? AND position >= ?",
@@ -859,22 +859,29 @@ def commit_turns(
                 session.agent,
             )
             log.debug("concurrent requests diverged: forked %s at %d", session.id, row.position)
-            inserted = queries.insert_turns(conn, session.id, session.user_id, fresh, None, now)
-            rest = queries.insert_turns(conn, fork.id, fork.user_id, rows[i:], None, now)
-            return fork, inserted + rest
-    return session, queries.insert_turns(conn, session.id, session.user_id, fresh, None, now)
+            inserted = _insert(conn, session, fresh, now)
+            return fork, inserted + _insert(conn, fork, rows[i:], now)
+    return session, _insert(conn, session, fresh, now)
+
+
+def _insert(
+    conn: Connection, session: Session, rows: list[NewTurn], now: float
+) -> list[tuple[int, NewTurn]]:
+    """Archive rows now, index them later (proxy.indexer): what the commit can afford."""
+    return queries.insert_turns(
+        conn, session.id, session.user_id, rows, None, now, fts_pending=True
+    )
 
 
 def _append(
-    conn: Connection, session: Session, rows: list[NewTurn], vectors: list[Any] | None
+    conn: Connection, session: Session, rows: list[NewTurn], now: float
 ) -> list[tuple[int, NewTurn]]:
     """Append the rows the session does not hold yet, numbered after its last turn."""
     stored = set(queries.session_turn_hashes(conn, session.id))
-    keep = [i for i, r in enumerate(rows) if r.identity() not in stored]
+    keep = [r for r in rows if r.identity() not in stored]
     base = _max_position(conn, session.id) + 1
-    fresh = [dataclasses.replace(rows[i], position=base + n) for n, i in enumerate(keep)]
-    vecs = [vectors[i] for i in keep] if vectors is not None else None
-    return queries.insert_turns(conn, session.id, session.user_id, fresh, vecs, time.time())
+    fresh = [dataclasses.replace(r, position=base + n) for n, r in enumerate(keep)]
+    return _insert(conn, session, fresh, now)
 
 
 # Characters past EMBED_CHARS that redaction reads too, so that a secret straddling the cut is

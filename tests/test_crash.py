@@ -329,8 +329,10 @@ def integrity_problems(db: Path) -> list[str]:
 
 
 def unembedded(conn: Connection) -> int:
+    """Turns still waiting for the indexer: a vector (those with text), or a full-text row."""
     (n,) = conn.execute(
-        "SELECT count(*) FROM turns WHERE embed_hash IS NULL AND trim(content) != ''"
+        "SELECT count(*) FROM turns WHERE (embed_hash IS NULL AND trim(content) != '')"
+        " OR fts_pending = 1"
     ).fetchone()
     return int(n)
 
@@ -346,6 +348,7 @@ def vector_problems(db: Path) -> list[str]:
         embedded = {r[0] for r in conn.execute("SELECT id FROM turns WHERE embed_hash IS NOT NULL")}
         all_ids = {r[0] for r in conn.execute("SELECT id FROM turns")}
         vec_rows = [r[0] for r in conn.execute("SELECT turn_id FROM turn_vec")]
+        fts = {r[0] for r in conn.execute("SELECT id FROM turns_fts_docsize")}
     vec = set(vec_rows)
     problems = []
     if len(vec_rows) != len(vec):
@@ -356,6 +359,8 @@ def vector_problems(db: Path) -> list[str]:
         problems.append(f"turns {sorted(embedded - vec)[:10]} have an embed_hash but no vector")
     if vec - all_ids:
         problems.append(f"turn_vec rows {sorted(vec - all_ids)[:10]} belong to no turn")
+    if fts - all_ids or all_ids - fts:
+        problems.append(f"turns_fts rows differ from turns: {sorted(fts ^ all_ids)[:10]}")
     return problems
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from proxy.store import db, migrations
+from proxy.store import db, migrations, queries
 from proxy.store.db import Connection
 from proxy.vectors import to_blob
 
@@ -98,6 +98,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "embed_hash",
         "incomplete",
         "source_session",
+        "fts_pending",
     ]
     assert _objects(conn, "trigger") == {
         "turns_ai",
@@ -338,6 +339,52 @@ def test_migration_5_upgrades_a_version_4_database(
         assert "slots" in _objects(c, "table")
     finally:
         c.close()
+
+
+def test_deferred_index_gives_the_same_rows_as_the_trigger(tmp_path: Path) -> None:
+    """Turns archived with fts_pending and indexed later, in any order, end with the full-text
+    rows (bodies, neighbours' ctx) the insert trigger gives at once."""
+    texts = [
+        "the lighthouse keeper",
+        "saffron and glacier",
+        "a violin in the orchard",
+        "comet over the harbour",
+        "basalt cliffs",
+        "the keeper's violin",
+    ]
+    queries_ = ["lighthouse", "ctx : violin", "body : keeper", "glacier OR basalt", "harbour"]
+
+    def build(name: str, deferred: bool, order: list[int]) -> list[Any]:
+        c = db.connect(tmp_path / name)
+        migrations.migrate(c)
+        _add_session(c)
+        ids = []
+        for pos, text in enumerate(texts):
+            cur = c.execute(
+                "INSERT INTO turns(session_id, user_id, position, role, content, timestamp,"
+                " content_hash, fts_pending) VALUES ('s1', 'u1', ?, 'user', ?, 0, ?, ?)",
+                (pos, text, f"h{pos}", int(deferred)),
+            )
+            ids.append(cur.lastrowid)
+        if deferred:
+            assert _fts(c, "lighthouse") == []  # archived, not indexed yet
+            for i in order:  # the indexer may catch up in any order, in batches
+                queries.index_deferred(c, [ids[i], ids[i]])
+            assert queries.pending_index_ids(c, 10) == []
+            assert queries.index_deferred(c, ids) == 0  # nothing left to do
+        _integrity_check(c)
+        # Which rows each query finds, and each row's token count per column (body, ctx, date).
+        # (BM25 scores depend on the delete history of a contentless-delete index, not only on
+        # its rows, so they are not compared.)
+        out: list[Any] = [_fts(c, q) for q in queries_]
+        out.append(c.execute("SELECT id, sz FROM turns_fts_docsize ORDER BY id").fetchall())
+        c.close()
+        return out
+
+    expected = build("trigger.db", False, [])
+    assert all(expected)
+    assert build("forward.db", True, list(range(len(texts)))) == expected
+    assert build("shuffled.db", True, [3, 0, 5, 1, 4, 2]) == expected
 
 
 def test_migration_6_indexes_the_turns_waiting_for_a_vector(

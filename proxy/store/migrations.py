@@ -49,6 +49,11 @@ Conventions the schema fixes (migration 1):
   table, not ``WITHOUT ROWID``: tool outputs are large rows, which ``WITHOUT ROWID`` tables
   store badly. ``user_id`` has no foreign key (a slot may be stored before its user's first turn
   is archived); the ``users_ad_slots`` trigger deletes a user's slots with the user instead.
+- Migration 6 (archive first, index after): ``turns.fts_pending`` (0/1). A chat turn is inserted
+  with 1 in the transaction that ends its reply, so the insert trigger skips it;
+  :func:`proxy.store.queries.index_deferred` gives it its ``turns_fts`` row (and rewrites its
+  neighbours' ``ctx``) in the background, as the trigger would have. Partial indexes find the
+  turns still waiting for that (``turns_fts_pending``) or for a vector (``turns_unembedded``).
 """
 
 from __future__ import annotations
@@ -128,6 +133,29 @@ def _fts_insert_sql(ids: str) -> str:
     )
 
 
+def _fts_insert_trigger_sql(when: str | None = None) -> str:
+    """The trigger indexing an inserted turn (and re-indexing its neighbours), if ``when``."""
+    new_nb = _neighbours_sql("new.session_id", "new.position")
+    condition = f" WHEN {when}" if when else ""
+    return f"""
+        CREATE TRIGGER turns_ai AFTER INSERT ON turns{condition} BEGIN
+            DELETE FROM turns_fts WHERE rowid IN ({new_nb});
+            {_fts_insert_sql(f"SELECT new.id UNION ALL {new_nb}")}
+        END;
+        """
+
+
+def fts_reindex_sql() -> tuple[str, str]:
+    """Two statements (parameter: a turn id) that index a turn archived with ``fts_pending``
+    as the insert trigger would have: delete it and its neighbours from ``turns_fts``, insert
+    back those of them not pending (the turn itself is no longer, by then)."""
+    session = "(SELECT session_id FROM turns WHERE id = :id)"
+    position = "(SELECT position FROM turns WHERE id = :id)"
+    changed = f"SELECT :id UNION ALL {_neighbours_sql(session, position)}"
+    pending = f"SELECT id FROM turns WHERE id IN ({changed}) AND fts_pending = 0"
+    return f"DELETE FROM turns_fts WHERE rowid IN ({changed})", _fts_insert_sql(pending)
+
+
 def _fts_triggers_sql() -> str:
     """The triggers that keep ``turns_fts`` (and ``turn_vec`` on delete) in step with ``turns``.
 
@@ -142,10 +170,7 @@ def _fts_triggers_sql() -> str:
         f"SELECT * FROM ({old_nb}) WHERE EXISTS (SELECT 1 FROM sessions WHERE id = old.session_id)"
     )
     return f"""
-        CREATE TRIGGER turns_ai AFTER INSERT ON turns BEGIN
-            DELETE FROM turns_fts WHERE rowid IN ({new_nb});
-            {_fts_insert_sql(f"SELECT new.id UNION ALL {new_nb}")}
-        END;
+        {_fts_insert_trigger_sql()}
 
         CREATE TRIGGER turns_au
         AFTER UPDATE OF session_id, position, role, speaker, content, timestamp ON turns BEGIN
@@ -372,10 +397,21 @@ def _m005_slots(conn: Connection) -> None:
     )
 
 
-def _m006_unembedded(conn: Connection) -> None:
-    """Turns are archived the moment a reply ends and embedded afterwards, in the background;
-    the turns still waiting (``embed_hash IS NULL``) are what the indexer replays at start."""
-    conn.execute("CREATE INDEX turns_unembedded ON turns(id) WHERE embed_hash IS NULL")
+def _m006_deferred_index(conn: Connection) -> None:
+    """Chat turns are archived the moment a reply ends, and indexed afterwards in the background
+    (``proxy.indexer``): a turn inserted with ``fts_pending = 1`` skips the insert trigger; the
+    turns still waiting for their full-text row (``fts_pending = 1``) or their vector
+    (``embed_hash IS NULL``) are what the indexer replays at start."""
+    _execute_script(
+        conn,
+        f"""
+        ALTER TABLE turns ADD COLUMN fts_pending INTEGER NOT NULL DEFAULT 0;
+        CREATE INDEX turns_unembedded ON turns(id) WHERE embed_hash IS NULL;
+        CREATE INDEX turns_fts_pending ON turns(id) WHERE fts_pending = 1;
+        DROP TRIGGER turns_ai;
+        {_fts_insert_trigger_sql(when="new.fts_pending = 0")}
+        """,
+    )
 
 
 Migration = Callable[[Connection], None]
@@ -386,7 +422,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (3, _m003_items_and_completion),
     (4, _m004_feedback),
     (5, _m005_slots),
-    (6, _m006_unembedded),
+    (6, _m006_deferred_index),
 )
 """(version, function), ascending. Append only."""
 

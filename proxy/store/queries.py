@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.store.db import Connection
-from proxy.store.migrations import EMBED_DIM, applied_versions
+from proxy.store.migrations import EMBED_DIM, applied_versions, fts_reindex_sql
 from proxy.store.models import (
     NewTurn,
     Session,
@@ -255,8 +255,11 @@ def insert_turns(
     turns: Sequence[NewTurn],
     vectors: Sequence[Vector | None] | None,
     now: float,
+    *,
+    fts_pending: bool = False,
 ) -> list[tuple[int, NewTurn]]:
-    """:func:`add_turns`, answering (id, turn) for each turn inserted."""
+    """:func:`add_turns`, answering (id, turn) for each turn inserted. With ``fts_pending`` the
+    turns get no full-text row yet: :func:`index_deferred` makes it later."""
     if vectors is None:
         vectors = [None] * len(turns)
     if len(vectors) != len(turns):
@@ -273,8 +276,8 @@ def insert_turns(
             embed_hash = turn.embed_hash or text_hash(turn.content)
         cur = conn.execute(
             "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
-            " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete,"
+            " fts_pending) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(session_id, position) DO NOTHING",
             (
                 session_id,
@@ -292,6 +295,7 @@ def insert_turns(
                 turn.identity(),
                 embed_hash,
                 int(turn.incomplete),
+                int(fts_pending),
             ),
         )
         if cur.rowcount != 1 or cur.lastrowid is None:
@@ -303,6 +307,32 @@ def insert_turns(
         "UPDATE sessions SET last_seen = max(last_seen, ?) WHERE id = ?", (now, session_id)
     )
     return ids
+
+
+def index_deferred(conn: Connection, ids: Sequence[int]) -> int:
+    """Give turns archived with ``fts_pending`` their full-text rows, oldest first, re-indexing
+    their neighbours as the insert trigger does; ids no longer pending (or gone) are skipped.
+    Returns how many were indexed."""
+    pending = [
+        r[0]
+        for r in conn.execute(
+            "SELECT id FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+            " AND fts_pending = 1 ORDER BY id",
+            (json_list(ids),),
+        )
+    ]
+    delete, insert = fts_reindex_sql()
+    for turn_id in pending:
+        conn.execute("UPDATE turns SET fts_pending = 0 WHERE id = ?", (turn_id,))
+        conn.execute(delete, {"id": turn_id})
+        conn.execute(insert, {"id": turn_id})
+    return len(pending)
+
+
+def pending_index_ids(conn: Connection, limit: int) -> list[int]:
+    """Turns still waiting for their full-text row, oldest first."""
+    rows = conn.execute("SELECT id FROM turns WHERE fts_pending = 1 ORDER BY id LIMIT ?", (limit,))
+    return [r[0] for r in rows]
 
 
 def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> int:
