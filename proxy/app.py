@@ -28,7 +28,7 @@ from proxy.errors import (
 )
 from proxy.feedback import Feedback
 from proxy.forward import read_body, relay
-from proxy.handback import Handback, stop_watching
+from proxy.handback import Handback
 from proxy.indexer import Indexer
 from proxy.logs import event
 from proxy.memory import MemoryService
@@ -36,10 +36,10 @@ from proxy.paths import db_path
 from proxy.pipeline import ChatPipeline
 from proxy.retrieval import Retriever
 from proxy.slotstore import SlotStore
-from proxy.stats import Counters
+from proxy.stats import FLUSH_EVERY, Counters
 from proxy.store.store import Store
 from proxy.summarizer import Summarizer
-from proxy.tasks import BackgroundTasks
+from proxy.tasks import BackgroundTasks, every, stop
 from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect, forward_headers
 
@@ -114,17 +114,23 @@ def _resources(
             )
         watchers: list[asyncio.Task[None]] = []
         if memory is not None:
-            if memory.handback is not None:
+            handback = memory.handback
+            idle_every = handback.idle_check_interval() if handback is not None else None
+            if handback is not None and idle_every is not None:
                 watchers.append(
-                    asyncio.create_task(memory.handback.watch_idle(), name="handback-idle")
+                    every(idle_every, handback.complete_idle, "completing idle sub-agents")
                 )
-            watchers.append(asyncio.create_task(app[CONSOLIDATOR].watch(), name="consolidation"))
-            watchers.append(asyncio.create_task(app[COUNTERS].run(), name="counters"))
+            interval = settings.consolidation.interval
+            if interval > 0:
+                watchers.append(
+                    every(interval, app[CONSOLIDATOR].scheduled_pass, "consolidation pass")
+                )
+            watchers.append(every(FLUSH_EVERY, app[COUNTERS].flush, "saving the token counters"))
         try:
             yield
         finally:
             for watcher in watchers:
-                await stop_watching(watcher)
+                await stop(watcher)
             await tasks.drain(settings.server.shutdown_timeout)
             await upstream.close()
             if bundled_proc is not None:

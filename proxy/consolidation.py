@@ -363,18 +363,10 @@ class Consolidator:
         self.facts_stored += stored
         return stored
 
-    async def watch(self) -> None:
-        """Background passes every ``consolidation.interval`` seconds (forever), and pruning of
-        the request record."""
-        interval = self.settings.consolidation.interval
-        if interval <= 0:
-            return
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                report = await self.run_pass()
-                if report.processed:
-                    event(log, logging.INFO, "consolidation pass", **dataclasses.asdict(report))
-                await self.feedback.prune()
-            except Exception:
-                log.exception("consolidation pass failed")
+    async def scheduled_pass(self) -> None:
+        """One background pass (every ``consolidation.interval`` seconds, through
+        :func:`proxy.tasks.every`), and pruning of the request record."""
+        report = await self.run_pass()
+        if report.processed:
+            event(log, logging.INFO, "consolidation pass", **dataclasses.asdict(report))
+        await self.feedback.prune()

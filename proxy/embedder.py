@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from proxy.cache import LRU
 from proxy.config import EmbedderSettings
 from proxy.vectors import Vector
 
@@ -115,8 +115,7 @@ class CachingEmbedder:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self._batch_size = batch_size
-        self._lru_size = max(0, lru_size)
-        self._lru: OrderedDict[bytes, Vector] = OrderedDict()
+        self._lru: LRU[bytes, Vector] = LRU(lru_size)
         self._executor: ThreadPoolExecutor | None = None
         self._loaded = False
 
@@ -175,7 +174,6 @@ class CachingEmbedder:
         for key, text in zip(keys, texts, strict=True):
             cached = self._lru.get(key)
             if cached is not None:
-                self._lru.move_to_end(key)
                 found[key] = cached
             elif key not in todo:
                 todo[key] = text
@@ -184,16 +182,8 @@ class CachingEmbedder:
             for key, vec in zip(todo, vectors, strict=True):
                 vec.flags.writeable = False  # shared between callers through the cache
                 found[key] = vec
-                self._remember(key, vec)
+                self._lru[key] = vec
         return [found[key] for key in keys]
-
-    def _remember(self, key: bytes, vec: Vector) -> None:
-        if self._lru_size == 0:
-            return
-        self._lru[key] = vec
-        self._lru.move_to_end(key)
-        while len(self._lru) > self._lru_size:
-            self._lru.popitem(last=False)
 
 
 class HashEmbedder(CachingEmbedder):

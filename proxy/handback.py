@@ -9,8 +9,6 @@ reply leaves the session uncompleted so a later trigger can try again.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 
@@ -150,22 +148,17 @@ class Handback:
         )
         return item
 
-    async def watch_idle(self) -> None:
-        """Complete sub-agents idle longer than ``sessions.complete_after_idle`` (forever)."""
+    async def complete_idle(self) -> None:
+        """Complete the sub-agents idle longer than ``sessions.complete_after_idle`` (run
+        every ``idle_check_interval()`` seconds through :func:`proxy.tasks.every`)."""
         idle = self.settings.sessions.complete_after_idle
-        if idle <= 0:
-            return
-        while True:
-            await asyncio.sleep(min(60.0, idle / 2))
-            ids = await self.store.read(lambda c: idle_subagents(c, time.time() - idle))
-            for sid in ids:
-                found = await self.store.get_session(sid)
-                if found is not None:
-                    self.complete(found)
+        ids = await self.store.read(lambda c: idle_subagents(c, time.time() - idle))
+        for sid in ids:
+            found = await self.store.get_session(sid)
+            if found is not None:
+                self.complete(found)
 
-
-async def stop_watching(task: asyncio.Task[None] | None) -> None:
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    def idle_check_interval(self) -> float | None:
+        """How often to look for idle sub-agents; None when that is off."""
+        idle = self.settings.sessions.complete_after_idle
+        return min(60.0, idle / 2) if idle > 0 else None

@@ -38,20 +38,19 @@ from proxy.embedder import Embedder
 from proxy.errors import NestingLimitExceeded, ParentNotFound
 from proxy.feedback import Feedback
 from proxy.handback import Handback
-from proxy.identity import (
-    Identity,
-    anchor_length,
-    chain_hashes,
-    content_text,
-    extend_chain,
-    identify,
-    is_housekeeping,
-    without_lone_surrogates,
-)
+from proxy.identity import Identity, identify, is_housekeeping
 from proxy.indexer import Indexer
 from proxy.inject import Memory, approx_tokens, memory_block
 from proxy.items import session_items
 from proxy.logs import event
+from proxy.messages import (
+    anchor_length,
+    chain_hashes,
+    content_text,
+    extend_chain,
+    last_user_text,
+    without_lone_surrogates,
+)
 from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
 from proxy.retrieval import Hit, Retriever
@@ -377,7 +376,7 @@ class MemoryService:
         s = self.settings.retrieval
         if s.top_k <= 0 or s.budget_tokens <= 0:
             return None
-        task = self.retriever.embed_query(_last_user_text(messages))
+        task = self.retriever.embed_query(last_user_text(messages))
         if task is not None:  # an unused or failed embedding is dropped quietly
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
@@ -430,7 +429,7 @@ class MemoryService:
             request_id,
             mt.identity.user,
             mt.placement.session.id if mt.placement is not None else None,
-            _last_user_text(mt.messages),
+            last_user_text(mt.messages),
             mt.injected,
             mt.model,
         )
@@ -631,7 +630,7 @@ class MemoryService:
     async def _recall(self, mt: MemoryTurn, window_start: int) -> list[Memory]:
         """The best memories for the new user message that the forwarded window lacks."""
         s = self.settings.retrieval
-        query = _last_user_text(mt.messages)
+        query = last_user_text(mt.messages)
         if not query or s.top_k <= 0 or s.budget_tokens <= 0:
             return []
         head = (
@@ -905,10 +904,3 @@ def _texts(messages: Sequence[Mapping[str, Any]]) -> set[str]:
                 _TEXT_HASHES.popitem(last=False)
         out.update(found)
     return out
-
-
-def _last_user_text(messages: Sequence[Mapping[str, Any]]) -> str:
-    for msg in reversed(messages):
-        if msg.get("role") == "user":
-            return content_text(msg.get("content")).strip()
-    return ""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.identity import content_text
+from proxy.messages import content_text
 from proxy.slotstore import Slot
 
 SLOT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,80}")

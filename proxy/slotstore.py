@@ -59,6 +59,7 @@ from proxy.logs import event
 from proxy.stats import FLUSH_EVERY, add_counters
 from proxy.store.db import Connection
 from proxy.store.store import Store
+from proxy.tasks import every, stop
 
 T = TypeVar("T")
 
@@ -316,12 +317,6 @@ def describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-async def _stop(task: asyncio.Task[Any] | None) -> None:
-    if task is not None and not task.done():
-        task.cancel()
-        await asyncio.wait([task])
-
-
 # --- the store the app uses ---------------------------------------------------------------------
 
 
@@ -366,15 +361,15 @@ class SlotStore:
                 self._set_redis_up(True)
                 event(log, logging.INFO, "tool-result slots in Redis")
         self._loops = [
-            asyncio.create_task(self._purge_loop(), name="slots-purge"),
-            asyncio.create_task(self._flush_loop(), name="slots-counters"),
+            every(self.settings.purge_interval, self._purge, "purging expired slots"),
+            every(FLUSH_EVERY, self.flush_counters, "saving the slot counters"),
         ]
 
     async def close(self) -> None:
         """Stop the loops, save the counters, disconnect from Redis. Call before the store
         closes."""
         for task in (self._retry, *self._loops):
-            await _stop(task)
+            await stop(task)
         self._retry, self._loops = None, []
         try:
             await self.flush_counters()
@@ -631,24 +626,10 @@ class SlotStore:
 
     # -- loops -------------------------------------------------------------------------------
 
-    async def _purge_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.purge_interval)
-            try:
-                deleted = await self.purge()
-            except Exception as exc:
-                event(log, logging.WARNING, "purging expired slots failed", error=describe(exc))
-            else:
-                if deleted:
-                    event(log, logging.DEBUG, "expired slots purged", slots=deleted)
-
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_EVERY)
-            try:
-                await self.flush_counters()
-            except Exception as exc:
-                event(log, logging.WARNING, "saving the slot counters failed", error=describe(exc))
+    async def _purge(self) -> None:
+        deleted = await self.purge()
+        if deleted:
+            event(log, logging.DEBUG, "expired slots purged", slots=deleted)
 
 
 # --- figures without a server (engram stats) ----------------------------------------------------

@@ -11,7 +11,6 @@ Everything else (hand-backs, facts, feedback, the queue) is counted in the datab
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -89,15 +88,6 @@ class Counters:
         if any(deltas.values()):
             await self.store.write(lambda c: add_counters(c, deltas))
         self._flushed = now
-
-    async def run(self, every: float = FLUSH_EVERY) -> None:
-        """Flush every ``every`` seconds (forever)."""
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await self.flush()
-            except Exception:
-                log.exception("saving the token counters failed; will try again")
 
 
 def token_figures(totals: Mapping[str, int], settings: Settings) -> dict[str, Any]:

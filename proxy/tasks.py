@@ -1,10 +1,11 @@
-"""Tracked background work: each task kept, its failure logged, all drained on shutdown."""
+"""Background work: tracked tasks (each kept, its failure logged, all drained on shutdown), and
+the one helper every periodic loop runs through (:func:`every`, stopped with :func:`stop`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger("engram.tasks")
@@ -54,3 +55,29 @@ class BackgroundTasks:
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def every(interval: float, job: Callable[[], Awaitable[object]], what: str) -> asyncio.Task[None]:
+    """Start ``job()`` every ``interval`` seconds, forever, as a task; a failure is logged
+    (with ``what``) and the loop goes on. Stop it with :func:`stop`."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await job()
+            except Exception:
+                log.exception("%s failed; trying again in %g s", what, interval)
+
+    return asyncio.get_running_loop().create_task(loop(), name=what)
+
+
+async def stop(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a task and wait for it to end; whatever it raised on the way is logged, never
+    raised (shutdown goes on)."""
+    if task is None:
+        return
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled() and task.exception() is not None:
+        log.error("task %s had failed", task.get_name(), exc_info=task.exception())

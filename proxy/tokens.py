@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.messages import content_text
+
 log = logging.getLogger("engram.tokens")
 
 _ENCODING = "cl100k_base"
@@ -112,8 +114,6 @@ class TokenCounter:
 
     def messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
         """Uncorrected tokens of a chat prompt: every message's text plus its overhead."""
-        from proxy.identity import content_text  # a pure module; imported here to stay light
-
         total = 0
         for msg in messages:
             total += self._count(content_text(msg.get("content"))) + MESSAGE_OVERHEAD

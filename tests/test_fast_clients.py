@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import STORE
-from proxy.identity import canonical, chain_hashes, content_text, without_lone_surrogates
 from proxy.memory import to_new_turns
+from proxy.messages import canonical, chain_hashes, content_text, without_lone_surrogates
 from proxy.store.models import Turn
 from tests.conftest import Engram, settle
 from tests.fake_chunks import chat_chunks, chat_completion

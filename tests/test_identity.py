@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.identity import (
-    anchor_length,
-    chain_hashes,
-    identify,
-    is_housekeeping,
-    message_hash,
-)
+from proxy.identity import identify, is_housekeeping
+from proxy.messages import anchor_length, canonical, chain_hashes
 from proxy.redact import redact
 
 
@@ -48,7 +43,7 @@ def test_chain_extends_and_forks() -> None:
     assert chain_hashes(edited)[1:] != chain_hashes(base)[1:]
     # Content as parts or with extra whitespace canonicalises to the same message.
     parts = {"role": "user", "content": [{"type": "text", "text": "hi"}]}
-    assert message_hash(parts) == message_hash({"role": "user", "content": " hi "})
+    assert canonical(parts) == canonical({"role": "user", "content": " hi "})
 
 
 def test_anchor_needs_an_assistant_reply() -> None:

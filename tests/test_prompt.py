@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.identity import content_text
+from proxy.messages import content_text
 from proxy.prompt import SUMMARY_OPEN, assemble
 from tests.fake_chunks import template_violations
 
