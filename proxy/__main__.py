@@ -1,6 +1,6 @@
 """`python -m proxy` is the `engram` command."""
 
-from proxy.cli import main
+from proxy.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -15,9 +15,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from proxy import __version__, bundled
+from proxy.background.consolidation import Consolidator
+from proxy.background.feedback import Feedback
+from proxy.background.handback import Handback
+from proxy.background.indexer import Indexer
+from proxy.background.stats import FLUSH_EVERY, Counters
+from proxy.background.summarizer import Summarizer
+from proxy.chat.memory import MemoryService
+from proxy.chat.pipeline import ChatPipeline
 from proxy.config import Settings
-from proxy.consolidation import Consolidator
-from proxy.embedder import Embedder, from_settings
 from proxy.errors import (
     EngramError,
     Forbidden,
@@ -26,19 +32,13 @@ from proxy.errors import (
     error_body,
     error_response,
 )
-from proxy.feedback import Feedback
-from proxy.forward import read_body, relay
-from proxy.handback import Handback
-from proxy.indexer import Indexer
 from proxy.logs import event
-from proxy.memory import MemoryService
 from proxy.paths import db_path
-from proxy.pipeline import ChatPipeline
-from proxy.retrieval import Retriever
-from proxy.slotstore import SlotStore
-from proxy.stats import FLUSH_EVERY, Counters
+from proxy.relay import read_body, relay
+from proxy.search.embedder import Embedder, from_settings
+from proxy.search.retrieval import Retriever
+from proxy.slots.store import SlotStore
 from proxy.store.store import Store
-from proxy.summarizer import Summarizer
 from proxy.tasks import BackgroundTasks, every, stop
 from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect, forward_headers
@@ -76,7 +76,7 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
 
     app.router.add_get("/engram/health", health)
     app.router.add_get("/engram/metrics", metrics)
-    from proxy.admin_api import add_routes as add_admin_routes  # it imports this module's keys
+    from proxy.api.routes import add_routes as add_admin_routes  # it imports this module's keys
 
     add_admin_routes(app)
     app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)

@@ -191,7 +191,7 @@ async def prefill(store: Store, gen: TextGen, user: str, start: int, n: int) -> 
 
 
 def _place(conn: Any, req: Any, now: float) -> Any:
-    from proxy.memory import place
+    from proxy.chat.memory import place
 
     placement = place(conn, req, True, now)
     assert placement is not None
@@ -200,8 +200,8 @@ def _place(conn: Any, req: Any, now: float) -> Any:
 
 async def commit_cost(store: Store, gen: TextGen, user: str, requests: int) -> dict[str, Any]:
     """Time ``requests`` commits (plus a warm-up of 50), conversations of 1-8 turns."""
-    from proxy.identity import anchor_length, chain_hashes, extend_chain
-    from proxy.memory import Request, commit_turns, to_new_turns
+    from proxy.chat.memory import Request, commit_turns, to_new_turns
+    from proxy.messages import anchor_length, chain_hashes, extend_chain
 
     timed: dict[str, list[float]] = {"new": [], "continued": []}
     inner: dict[str, list[float]] = {"new": [], "continued": []}
@@ -372,7 +372,7 @@ async def start_serve(upstream: str, tmp: Path, name: str, model: bool = False) 
 
 
 async def start_in_process(upstream: str, model: bool = False) -> Running:
-    from proxy.embedder import DEFAULT_MODEL
+    from proxy.search.embedder import DEFAULT_MODEL
     from tests.conftest import settle, start_engram
 
     engram = await start_engram(upstream, embedder={"model": DEFAULT_MODEL if model else "hash"})
@@ -567,8 +567,8 @@ class _Probe:
 
 async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
     """The same pairs through an in-process Engram (hash embedder), its archive steps timed."""
-    import proxy.memory
-    import proxy.pipeline
+    import proxy.chat.memory
+    import proxy.chat.pipeline
     from tests.conftest import start_engram
 
     probe = _Probe()
@@ -580,8 +580,8 @@ async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
         ),
         probe.wrap_sync(proxy.memory, "commit_turns", lambda kw: "commit_turns", mark=True),
         probe.wrap_store_write(),
-        probe.wrap_async(proxy.memory.MemoryService, "commit", "MemoryService.commit"),
-        probe.wrap_async(proxy.pipeline.ChatPipeline, "_commit", "ChatPipeline._commit"),
+        probe.wrap_async(proxy.chat.memory.MemoryService, "commit", "MemoryService.commit"),
+        probe.wrap_async(proxy.chat.pipeline.ChatPipeline, "_commit", "ChatPipeline._commit"),
     ]
     fake = TimedUpstream(n_ctx=32768, record=False)
     await fake.start()

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from proxy.embedder import Embedder, Kind
+from proxy.search.embedder import Embedder, Kind
 from proxy.store import NewTurn, Store, queries
 from proxy.store.db import describe
 from proxy.store.models import EMBED_CHARS, index_text, text_hash
@@ -291,13 +291,13 @@ async def import_turns(
     via: str = "auto",
 ) -> str:
     """Store ``records`` (dicts: user, session, role, speaker, content, timestamp) the way
-    ``engram import`` does: :func:`proxy.importer.import_records` where that module exists,
+    ``engram import`` does: :func:`proxy.cli.importer.import_records` where that module exists,
     else ``Store.add_turns`` with vectors of :func:`~proxy.store.models.index_text` (as the chat
     pipeline archives). ``via``: "auto", "importer" or "store". Returns the path used."""
     try:
         if via == "store":
             raise ImportError
-        from proxy.importer import import_records
+        from proxy.cli.importer import import_records
     except ImportError:
         if via == "importer":
             raise
@@ -306,7 +306,7 @@ async def import_turns(
     report = await import_records(store, embedder, enumerate(records, 1), batch)
     if report.errors:
         raise RuntimeError(f"import rejected {len(report.errors)} records: {report.errors[:3]}")
-    return "proxy.importer.import_records"
+    return "proxy.cli.importer.import_records"
 
 
 async def _add_turns_directly(

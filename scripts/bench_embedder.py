@@ -10,7 +10,7 @@ import asyncio
 import statistics
 import time
 
-from proxy.embedder import DEFAULT_MODEL, DEFAULT_THREADS, FastEmbedEmbedder
+from proxy.search.embedder import DEFAULT_MODEL, DEFAULT_THREADS, FastEmbedEmbedder
 
 SUBJECTS = ["my sister", "the new manager", "our neighbour", "a friend from school", "Grandpa"]
 VERBS = ["adopted", "painted", "fixed", "sold", "photographed", "wrote about"]

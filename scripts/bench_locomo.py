@@ -5,7 +5,7 @@
 
 Each of the 10 conversations becomes one user namespace in a fresh temporary database (one
 Engram session per LoCoMo session, timestamps from ``session_N_date_time``, image captions
-appended as `` [image: caption]``), stored through :func:`proxy.importer.import_records` (or
+appended as `` [image: caption]``), stored through :func:`proxy.cli.importer.import_records` (or
 ``Store.add_turns`` where that module is missing) with the default embedder. Every question of
 categories 1-4 is then asked through :meth:`proxy.retrieval.Retriever.search` (k=20) in the
 modes fts, vec, hybrid and hybrid+mmr. A turn counts when its ``dia_id`` is among the question's
@@ -51,8 +51,8 @@ from bench_common import (
 )
 
 from proxy.config import RetrievalSettings
-from proxy.embedder import create_embedder
-from proxy.retrieval import Retriever
+from proxy.search.embedder import create_embedder
+from proxy.search.retrieval import Retriever
 from proxy.store import Store
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -66,10 +66,10 @@ from bench_common import (
     repair_evidence,
 )
 
-from proxy.identity import content_text
-from proxy.inject import BLOCK_OPEN
-from proxy.memory import PROMPT_MARGIN, PROMPT_SAFETY
-from proxy.prompt import SUMMARY_OPEN
+from proxy.chat.fence import BLOCK_OPEN
+from proxy.chat.memory import PROMPT_MARGIN, PROMPT_SAFETY
+from proxy.chat.prompt import SUMMARY_OPEN
+from proxy.messages import content_text
 from proxy.tokens import UNCALIBRATED, TokenCounter, load_encoder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -51,9 +51,9 @@ from bench_common import (
 )
 
 from proxy.config import RetrievalSettings
-from proxy.embedder import DEFAULT_MODEL, FastEmbedEmbedder
-from proxy.fts_query import match_of, query_words
-from proxy.retrieval import Retriever
+from proxy.search.embedder import DEFAULT_MODEL, FastEmbedEmbedder
+from proxy.search.fts_query import match_of, query_words
+from proxy.search.retrieval import Retriever
 from proxy.store import Store
 from proxy.store.search import QUANTIZED_ABOVE
 

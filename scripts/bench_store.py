@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from proxy.fts_query import to_match
-from proxy.fusion import rrf
+from proxy.search.fts_query import to_match
+from proxy.search.fusion import rrf
 from proxy.store import NewTurn, Store
 
 DIM = 384

@@ -12,11 +12,11 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from yarl import URL
 
-from proxy.admin_api import admin_allowed, check_admin, is_loopback
+from proxy.api.routes import admin_allowed, check_admin, is_loopback
 from proxy.app import MEMORY, SETTINGS, STORE
+from proxy.cli.importer import ImportReport, import_records
 from proxy.config import load_settings
 from proxy.errors import Forbidden
-from proxy.importer import ImportReport, import_records
 from proxy.store.db import Connection
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import main
+from proxy.cli.main import main
 from tests.fake_upstream import FakeUpstream
 
 LINES = [

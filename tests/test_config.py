@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import main
+from proxy.cli.main import main
 from proxy.config import ConfigError, load_settings, render_defaults
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from proxy.app import CONSOLIDATOR, STORE
-from proxy.facts import INSTRUCTIONS, Fact, parse_facts
+from proxy.background.facts import INSTRUCTIONS, Fact, parse_facts
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion
 from tests.fake_upstream import FakeUpstream, JsonReply

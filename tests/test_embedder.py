@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from proxy.embedder import (
+from proxy.search.embedder import (
     DEFAULT_MODEL,
     Embedder,
     FastEmbedEmbedder,

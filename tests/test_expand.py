@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.expand import (
+from proxy.slots.expand import (
     StreamRound,
     add_usage,
     answer_text,
@@ -15,7 +15,7 @@ from proxy.expand import (
     round_trip_messages,
     with_tool,
 )
-from proxy.slotstore import Slot
+from proxy.slots.store import Slot
 from tests.fake_chunks import chat_chunks, chat_completion
 
 TOOL = "engram_expand"

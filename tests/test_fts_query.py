@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.fts_query import NLTK_STOP_WORDS, STOP_WORDS, quote, to_match, tokens
+from proxy.search.fts_query import NLTK_STOP_WORDS, STOP_WORDS, quote, to_match, tokens
 from proxy.store import db
 from proxy.store.db import Connection
 from proxy.store.migrations import FTS_TOKENIZE

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from proxy.fusion import Fused, mmr, rrf
+from proxy.search.fusion import Fused, mmr, rrf
 
 
 def test_rrf_two_paths_k60() -> None:

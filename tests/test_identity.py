@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.identity import identify, is_housekeeping
+from proxy.chat.identity import identify, is_housekeeping
 from proxy.messages import anchor_length, canonical, chain_hashes
 from proxy.redact import redact
 

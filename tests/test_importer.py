@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from proxy.embedder import HashEmbedder
-from proxy.importer import import_records
-from proxy.items import add_item
+from proxy.background.items import add_item
+from proxy.cli.importer import import_records
+from proxy.cli.progress import Progress
 from proxy.jsonl import LineError, SessionRecord, TurnRecord, export_line, parse_line
-from proxy.progress import Progress
+from proxy.search.embedder import HashEmbedder
 from proxy.store.store import Store
 from proxy.vectors import Vector
 

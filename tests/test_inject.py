@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.inject import BLOCK_CLOSE, BLOCK_OPEN, Memory, approx_tokens, memory_block
+from proxy.chat.fence import BLOCK_CLOSE, BLOCK_OPEN, Memory, approx_tokens, memory_block
 
 
 def mem(i: int, text: str) -> Memory:

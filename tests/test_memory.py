@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from proxy.app import MEMORY, STORE
-from proxy.inject import BLOCK_OPEN
+from proxy.chat.fence import BLOCK_OPEN
 from proxy.store.models import Turn
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_chunks, template_violations

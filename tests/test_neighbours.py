@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 
 from proxy.app import STORE
-from proxy.inject import BLOCK_OPEN
-from proxy.memory import _turns_at
+from proxy.chat.fence import BLOCK_OPEN
+from proxy.chat.memory import _turns_at
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream
 from tests.test_memory import SYSTEM, chat, forwarded_system

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.chat.prompt import SUMMARY_OPEN, assemble
 from proxy.messages import content_text
-from proxy.prompt import SUMMARY_OPEN, assemble
 from tests.fake_chunks import template_violations
 
 Message = dict[str, Any]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from proxy import retrieval
 from proxy.config import RetrievalSettings
-from proxy.embedder import HashEmbedder
-from proxy.retrieval import Retriever
+from proxy.search import retrieval
+from proxy.search.embedder import HashEmbedder
+from proxy.search.retrieval import Retriever
 from proxy.store import NewTurn, Store
 
 

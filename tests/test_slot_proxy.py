@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from proxy.app import SLOTS
-from proxy.slots import REFERENCE, slot_id
+from proxy.slots.refs import REFERENCE, slot_id
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_chunks, chat_completion, make_usage, template_violations
 from tests.fake_upstream import FakeUpstream, JsonReply, StreamReply

@@ -5,15 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.slots import (
-    REFERENCE,
-    apply,
-    call_hint,
-    find,
-    protected_from,
-    references,
-    slot_id,
-)
+from proxy.slots.refs import REFERENCE, apply, call_hint, find, protected_from, references, slot_id
 
 
 def count(text: str) -> int:

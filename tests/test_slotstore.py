@@ -23,9 +23,9 @@ import pytest_asyncio
 from redis.asyncio import Redis
 
 from proxy.app import SLOTS
-from proxy.cli import main
+from proxy.cli.main import main
 from proxy.config import SlotsSettings
-from proxy.slotstore import Slot, SlotStore, user_namespace
+from proxy.slots.store import Slot, SlotStore, user_namespace
 from proxy.store.store import Store
 from tests.conftest import Engram, start_engram
 from tests.fake_upstream import FakeUpstream

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from proxy.app import COUNTERS
-from proxy.cli import main
+from proxy.cli.main import main
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion
 from tests.fake_upstream import FakeUpstream, JsonReply

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from proxy.embedder import HashEmbedder
-from proxy.fts_query import to_match
+from proxy.search.embedder import HashEmbedder
+from proxy.search.fts_query import to_match
 from proxy.store import (
     NewTurn,
     SessionConflict,

@@ -18,7 +18,7 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.app import RETRIEVER, STORE
-from proxy.inject import BLOCK_OPEN
+from proxy.chat.fence import BLOCK_OPEN
 from tests.conftest import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer, user_turns, wait_idle
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from proxy.app import PIPELINE, SLOTS
-from proxy.slots import REFERENCE, slot_id
+from proxy.slots.refs import REFERENCE, slot_id
 from tests.conftest import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer
 from tests.fake_chunks import template_violations

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from proxy.embedder import Embedder
 from proxy.logs import event
+from proxy.search.embedder import Embedder
 from proxy.store import queries
 from proxy.store.models import NewTurn, embed_text, text_hash
 from proxy.store.store import Store

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import time
 
+from proxy.background.items import add_item
+from proxy.background.summarizer import Summarizer, clean, render_turns
 from proxy.config import Settings
-from proxy.embedder import Embedder
-from proxy.items import add_item
 from proxy.logs import event
+from proxy.search.embedder import Embedder
 from proxy.store.db import Connection
 from proxy.store.models import Session
 from proxy.store.store import Store
-from proxy.summarizer import Summarizer, clean, render_turns
 from proxy.tasks import BackgroundTasks
 
 log = logging.getLogger("engram.handback")

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Any
 
-from proxy.embedder import Embedder
+from proxy.search.embedder import Embedder
 from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Turn, embed_text, text_hash

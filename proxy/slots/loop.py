@@ -21,7 +21,8 @@ from aiohttp import web
 
 from proxy.config import SlotsSettings
 from proxy.errors import sse_error_event
-from proxy.expand import (
+from proxy.relay import encode_json, is_event_stream
+from proxy.slots.expand import (
     MIN_EXPANSION_TOKENS,
     StreamRound,
     ToolRejections,
@@ -34,13 +35,12 @@ from proxy.expand import (
     split_calls,
     with_tool,
 )
-from proxy.forward import encode_json, is_event_stream
-from proxy.slotstore import SlotStore
+from proxy.slots.store import SlotStore
 from proxy.sse import ChatAssembler, SSEEvent, SSEParser, reply_from_completion
 from proxy.upstream import Upstream, forward_headers, response_headers
 
 if TYPE_CHECKING:
-    from proxy.pipeline import ChatTurn
+    from proxy.chat.pipeline import ChatTurn
 
 log = logging.getLogger("engram.expand")
 

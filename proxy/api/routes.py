@@ -35,14 +35,14 @@ from typing import Any
 from aiohttp import web
 
 from proxy.app import CONSOLIDATOR, COUNTERS, MEMORY, RETRIEVER, SETTINGS, SLOTS, STORE
+from proxy.background.feedback import MAX_NOTE_CHARS
+from proxy.background.stats import memory_counts, token_figures
+from proxy.chat.identity import identify
 from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
-from proxy.feedback import MAX_NOTE_CHARS
-from proxy.identity import identify
 from proxy.jsonl import export_line
-from proxy.retrieval import MODES, Hit, Retriever
-from proxy.slots import SLOT_ID
-from proxy.slotstore import Slot, SlotStore
-from proxy.stats import memory_counts, token_figures
+from proxy.search.retrieval import MODES, Hit, Retriever
+from proxy.slots.refs import SLOT_ID
+from proxy.slots.store import Slot, SlotStore
 from proxy.store.models import Session, Turn
 from proxy.store.store import Store
 

@@ -33,15 +33,16 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.background.feedback import Feedback
+from proxy.background.handback import Handback
+from proxy.background.indexer import Indexer
+from proxy.background.items import session_items
+from proxy.background.summarizer import Summarizer, get_summary
+from proxy.chat.fence import Memory, approx_tokens, memory_block
+from proxy.chat.identity import Identity, identify, is_housekeeping
+from proxy.chat.prompt import Assembly, Message, assemble
 from proxy.config import Settings
-from proxy.embedder import Embedder
 from proxy.errors import NestingLimitExceeded, ParentNotFound
-from proxy.feedback import Feedback
-from proxy.handback import Handback
-from proxy.identity import Identity, identify, is_housekeeping
-from proxy.indexer import Indexer
-from proxy.inject import Memory, approx_tokens, memory_block
-from proxy.items import session_items
 from proxy.logs import event
 from proxy.messages import (
     anchor_length,
@@ -51,18 +52,17 @@ from proxy.messages import (
     last_user_text,
     without_lone_surrogates,
 )
-from proxy.prompt import Assembly, Message, assemble
 from proxy.redact import redact
-from proxy.retrieval import Hit, Retriever
-from proxy.slots import TOOL_ROLES, Candidate, references
-from proxy.slots import apply as apply_slots
-from proxy.slots import find as find_outputs
-from proxy.slotstore import SlotStore
+from proxy.search.embedder import Embedder
+from proxy.search.retrieval import Hit, Retriever
+from proxy.slots.refs import TOOL_ROLES, Candidate, references
+from proxy.slots.refs import apply as apply_slots
+from proxy.slots.refs import find as find_outputs
+from proxy.slots.store import SlotStore
 from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import EMBED_CHARS, NewTurn, Session, Turn, embed_text, text_hash
 from proxy.store.store import Store
-from proxy.summarizer import Summarizer, get_summary
 from proxy.tasks import BackgroundTasks
 from proxy.tokens import TokenCounter
 

@@ -27,20 +27,26 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from proxy.background.facts import (
+    Fact,
+    consolidation_messages,
+    normal,
+    parse_facts,
+    render_excerpts,
+)
+from proxy.background.feedback import Feedback, RecordedRequest, get_request, queue_counts
+from proxy.background.items import add_item
+from proxy.background.summarizer import Summarizer, budgeted_call
+from proxy.chat.memory import RECALLED_ROLES
 from proxy.config import Settings
-from proxy.embedder import Embedder
-from proxy.facts import Fact, consolidation_messages, normal, parse_facts, render_excerpts
-from proxy.feedback import Feedback, RecordedRequest, get_request, queue_counts
-from proxy.fts_query import tokens as word_tokens
-from proxy.items import add_item
 from proxy.logs import event
-from proxy.memory import RECALLED_ROLES
-from proxy.retrieval import Retriever
+from proxy.search.embedder import Embedder
+from proxy.search.fts_query import tokens as word_tokens
+from proxy.search.retrieval import Retriever
 from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import Turn
 from proxy.store.store import Store
-from proxy.summarizer import Summarizer, budgeted_call
 
 log = logging.getLogger("engram.consolidation")
 

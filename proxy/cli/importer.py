@@ -16,9 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.embedder import Embedder
-from proxy.inject import approx_tokens
-from proxy.items import ITEM_ROLES, next_item_position
+from proxy.background.items import ITEM_ROLES, next_item_position
+from proxy.chat.fence import approx_tokens
 from proxy.jsonl import (
     LineError,
     Record,
@@ -29,6 +28,7 @@ from proxy.jsonl import (
     parse_line,
     parse_record,
 )
+from proxy.search.embedder import Embedder
 from proxy.store.models import NewTurn, StoreError, embed_text, message_hash, text_hash
 from proxy.store.store import Store
 from proxy.vectors import Vector

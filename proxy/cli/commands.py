@@ -17,18 +17,18 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from proxy import admin_api as api
+from proxy.api import routes as api
+from proxy.background.stats import memory_counts, read_counters, token_figures
+from proxy.cli.doctor import database_path, run_doctor
+from proxy.cli.importer import ImportReport, import_records
+from proxy.cli.progress import Progress
 from proxy.config import Settings, replace
-from proxy.doctor import database_path, run_doctor
-from proxy.embedder import Embedder, from_settings
 from proxy.errors import BadRequest, EngramError
-from proxy.importer import ImportReport, import_records
 from proxy.jsonl import LineError, Source, export_line, parse_line
-from proxy.progress import Progress
 from proxy.redact import redact
-from proxy.retrieval import Retriever
-from proxy.slotstore import forget_redis_user, offline_stats
-from proxy.stats import memory_counts, read_counters, token_figures
+from proxy.search.embedder import Embedder, from_settings
+from proxy.search.retrieval import Retriever
+from proxy.slots.store import forget_redis_user, offline_stats
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]

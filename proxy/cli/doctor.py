@@ -16,8 +16,8 @@ from typing import Any
 from yarl import URL
 
 from proxy.config import Settings
-from proxy.embedder import from_settings
 from proxy.paths import default_db_path
+from proxy.search.embedder import from_settings
 from proxy.store.db import describe
 from proxy.store.store import Store
 from proxy.upstream import LLAMACPP_DEFAULT, OLLAMA_DEFAULT, Upstream, detect

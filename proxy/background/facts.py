@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.fts_query import STOP_WORDS, tokens
+from proxy.search.fts_query import STOP_WORDS, tokens
 from proxy.store.models import Turn
 
 INSTRUCTIONS = """\

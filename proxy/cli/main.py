@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return serve(settings)
         if args.command in MEMORY_COMMANDS:
-            from proxy import commands  # imported late: it loads the store and the embedder
+            from proxy.cli import commands  # imported late: it loads the store and the embedder
 
             return commands.run(args, settings)
     except ConfigError as exc:

@@ -54,9 +54,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError
 
+from proxy.background.stats import FLUSH_EVERY, add_counters
 from proxy.config import SlotsSettings
 from proxy.logs import event
-from proxy.stats import FLUSH_EVERY, add_counters
 from proxy.store.db import Connection
 from proxy.store.store import Store
 from proxy.tasks import every, stop

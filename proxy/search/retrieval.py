@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from proxy.config import RetrievalSettings
-from proxy.embedder import Embedder
-from proxy.fts_query import STOP_WORDS, match_of, query_words
-from proxy.fusion import Fused, mmr, rrf
+from proxy.search.embedder import Embedder
+from proxy.search.fts_query import STOP_WORDS, match_of, query_words
+from proxy.search.fusion import Fused, mmr, rrf
 from proxy.store.db import Connection
 from proxy.store.models import Turn
 from proxy.store.store import Store

@@ -24,12 +24,12 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.chat.memory import MemoryService, MemoryTurn
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError
-from proxy.expand import can_add_tool
-from proxy.expand_loop import Expander
-from proxy.forward import encode_json, is_event_stream, read_body, relay
-from proxy.memory import MemoryService, MemoryTurn
+from proxy.relay import encode_json, is_event_stream, read_body, relay
+from proxy.slots.expand import can_add_tool
+from proxy.slots.loop import Expander
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
 from proxy.tasks import BackgroundTasks
 from proxy.upstream import Upstream, forward_headers

@@ -15,8 +15,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from proxy.background.feedback import queue_counts
 from proxy.config import Settings
-from proxy.feedback import queue_counts
 from proxy.store.db import Connection
 from proxy.store.store import Store
 

@@ -1,0 +1,7 @@
+"""Tool-result slots: old bulky tool outputs forwarded as ``[TOOL_RESULT:id]`` references.
+
+``refs`` decides which outputs become references and how they read (pure); ``expand`` is the
+expansion tool and the filtering of the model's replies (pure); ``loop`` runs the round trips
+that answer the model's calls to it; ``store`` keeps the slots (Redis, with failover to the
+embedded SQLite table).
+"""
