@@ -7,7 +7,7 @@ back-to-back clients still split a conversation (issue 10).
 (a) The commit's cost per request. First the write transaction alone, as the pipeline runs it:
     ``Store.write(lambda c: commit_turns(c, placement, rows, now))`` with ``rows`` the request's
     new user message and the reply (fresh synthetic text, 12-60 and 40-220 words), the
-    placement made by :func:`proxy.memory.place` in its own write first (untimed), as before
+    placement made by :func:`proxy.chat.sessions.place` in its own write first (untimed), as before
     forwarding; conversations of 1-8 turns, half named by the client (``X-Engram-Session``),
     half recognised by their hash chain; into a database already holding 0, 10k and 100k turns.
     Then from the pipeline's side: ``python -m proxy serve`` (hash embedder) in front of the fake
@@ -191,7 +191,7 @@ async def prefill(store: Store, gen: TextGen, user: str, start: int, n: int) -> 
 
 
 def _place(conn: Any, req: Any, now: float) -> Any:
-    from proxy.chat.memory import place
+    from proxy.chat.sessions import place
 
     placement = place(conn, req, True, now)
     assert placement is not None
@@ -200,7 +200,9 @@ def _place(conn: Any, req: Any, now: float) -> Any:
 
 async def commit_cost(store: Store, gen: TextGen, user: str, requests: int) -> dict[str, Any]:
     """Time ``requests`` commits (plus a warm-up of 50), conversations of 1-8 turns."""
-    from proxy.chat.memory import Request, commit_turns, to_new_turns
+    from proxy.chat.archive import to_new_turns
+    from proxy.chat.sessions import PlacementRequest as Request
+    from proxy.chat.sessions import commit_turns
     from proxy.messages import anchor_length, chain_hashes, extend_chain
 
     timed: dict[str, list[float]] = {"new": [], "continued": []}
@@ -567,6 +569,7 @@ class _Probe:
 
 async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
     """The same pairs through an in-process Engram (hash embedder), its archive steps timed."""
+    import proxy.chat.archive
     import proxy.chat.memory
     import proxy.chat.pipeline
     from tests.conftest import start_engram
@@ -574,11 +577,11 @@ async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
     probe = _Probe()
     undo = [
         probe.wrap_sync(  # the commit makes the reply's row (incomplete= given) on the way
-            proxy.memory,
+            proxy.chat.archive,
             "to_new_turns",
             lambda kw: "to_new_turns (reply)" if "incomplete" in kw else "to_new_turns (request)",
         ),
-        probe.wrap_sync(proxy.memory, "commit_turns", lambda kw: "commit_turns", mark=True),
+        probe.wrap_sync(proxy.chat.archive, "commit_turns", lambda kw: "commit_turns", mark=True),
         probe.wrap_store_write(),
         probe.wrap_async(proxy.chat.memory.MemoryService, "commit", "MemoryService.commit"),
         probe.wrap_async(proxy.chat.pipeline.ChatPipeline, "_commit", "ChatPipeline._commit"),

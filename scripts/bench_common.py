@@ -85,7 +85,7 @@ def pct(values: Sequence[float], p: int) -> float:
 
 
 class DiskCachedEmbedder:
-    """Wraps an :class:`~proxy.embedder.Embedder`; vectors persist in ``folder`` across runs.
+    """Wraps an :class:`~proxy.search.embedder.Embedder`; vectors persist in ``folder`` across runs.
 
     Keyed by (model name, kind, text). :meth:`save` writes new vectors (``aclose`` does too).
     Benchmarks only: the vectors are the inner model's, bit for bit.

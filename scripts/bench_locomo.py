@@ -7,7 +7,7 @@ Each of the 10 conversations becomes one user namespace in a fresh temporary dat
 Engram session per LoCoMo session, timestamps from ``session_N_date_time``, image captions
 appended as `` [image: caption]``), stored through :func:`proxy.cli.importer.import_records` (or
 ``Store.add_turns`` where that module is missing) with the default embedder. Every question of
-categories 1-4 is then asked through :meth:`proxy.retrieval.Retriever.search` (k=20) in the
+categories 1-4 is then asked through :meth:`proxy.search.retrieval.Retriever.search` (k=20) in the
 modes fts, vec, hybrid and hybrid+mmr. A turn counts when its ``dia_id`` is among the question's
 evidence (malformed ids repaired or dropped, listed in the output).
 
@@ -272,7 +272,7 @@ def main() -> int:
         "--via",
         choices=("auto", "importer", "store"),
         default="auto",
-        help="load through proxy.importer (auto: when it exists) or Store.add_turns",
+        help="load through proxy.cli.importer (auto: when it exists) or Store.add_turns",
     )
     parser.add_argument("--fail-on-miss", action="store_true", help="exit 1 if a target fails")
     args = parser.parse_args()

@@ -67,8 +67,8 @@ from bench_common import (
 )
 
 from proxy.chat.fence import BLOCK_OPEN
-from proxy.chat.memory import PROMPT_MARGIN, PROMPT_SAFETY
 from proxy.chat.prompt import SUMMARY_OPEN
+from proxy.chat.rewrite import PROMPT_MARGIN, PROMPT_SAFETY
 from proxy.messages import content_text
 from proxy.tokens import UNCALIBRATED, TokenCounter, load_encoder
 

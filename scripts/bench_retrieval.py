@@ -2,12 +2,12 @@
 
     .venv/bin/python scripts/bench_retrieval.py [--quick] [--json out.json]
 
-(a) One hybrid search through :meth:`proxy.retrieval.Retriever.search` (the chat pipeline's
+(a) One hybrid search through :meth:`proxy.search.retrieval.Retriever.search` (the chat pipeline's
     call: query embedding with the real MiniLM included, k = ``[retrieval] top_k``), p50/p95
     over LoCoMo's questions, in a user namespace of 10k and of 100k stored turns (one database,
     both namespaces), with the exact and the bit-quantised vector plan; plus what the quantised
     plan costs in recall against the exact one, and where the time goes.
-(b) Ingest: fresh turns per second through the import path (:func:`proxy.importer.
+(b) Ingest: fresh turns per second through the import path (:func:`proxy.cli.importer.
     import_records`, real embeddings), with 1 and 2 ONNX threads, and its split between the
     model and the database.
 (c) A chat request through ``python -m proxy serve`` (fake upstream) with memory on, against

@@ -16,7 +16,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from proxy.app import PIPELINE, TASKS, create_app
-from proxy.chat.pipeline import ChatTurn
+from proxy.chat.turn import ChatTurn
 from proxy.config import Settings, load_settings
 from tests.fake_upstream import FakeUpstream
 from tests.redis_server import RedisServer, find_redis_server

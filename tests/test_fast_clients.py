@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import STORE
-from proxy.chat.memory import to_new_turns
+from proxy.chat.archive import to_new_turns
 from proxy.messages import canonical, chain_hashes, content_text, without_lone_surrogates
 from proxy.store.models import Turn
 from tests.conftest import Engram, settle

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from proxy.chat.fence import BLOCK_CLOSE, BLOCK_OPEN, Memory, approx_tokens, memory_block
+from proxy.chat.fence import BLOCK_CLOSE, BLOCK_OPEN, Recalled, memory_block
+from proxy.tokens import estimate as approx_tokens
 
 
-def mem(i: int, text: str) -> Memory:
-    return Memory(i, "user", None, text, 1_700_000_000.0 + i, "s1", 1.0 / (i + 1))
+def mem(i: int, text: str) -> Recalled:
+    return Recalled(i, "user", None, text, 1_700_000_000.0 + i, "s1", 1.0 / (i + 1))
 
 
 def test_block_is_marked_dated_and_ordered() -> None:

@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from proxy.app import STORE
 from proxy.chat.fence import BLOCK_OPEN
-from proxy.chat.memory import _turns_at
+from proxy.store.queries import turns_at
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream
 from tests.test_memory import SYSTEM, chat, forwarded_system
@@ -105,8 +105,8 @@ async def test_other_users_turns_never_come_as_neighbours(
     store = near.app[STORE]
     (alice_session,) = await store.list_sessions("alice")
     places = [(alice_session.id, 2)]
-    assert await store.read(lambda c: _turns_at(c, "bob", places)) == {}
-    found = await store.read(lambda c: _turns_at(c, "alice", places))
+    assert await store.read(lambda c: turns_at(c, "bob", places)) == {}
+    found = await store.read(lambda c: turns_at(c, "alice", places))
     assert ANSWER in found[(alice_session.id, 2)].content
 
 

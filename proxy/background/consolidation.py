@@ -3,7 +3,8 @@
 For each request waiting in ``consolidation_queue`` (oldest first) the user's archive is searched
 more widely than the hot path can afford (``consolidation.candidates`` per path, ``top_k`` hits,
 each with ``neighbours`` turns on either side from its session), and the upstream model is asked
-what was missing, as short facts (:mod:`proxy.facts`). Each new fact is stored as a memory item
+what was missing, as short facts (:mod:`proxy.background.facts`). Each new fact is stored as a
+memory item
 (role ``fact``, speaker = its subject) that the normal hybrid search finds from then on: in the
 user's facts session ``facts~<user>`` (indexed, so every top-level conversation recalls it), or,
 for a sub-agent's request, in the sub-agent's own session (what it read never reaches its parent
@@ -37,7 +38,6 @@ from proxy.background.facts import (
 from proxy.background.feedback import Feedback, RecordedRequest, get_request, queue_counts
 from proxy.background.items import add_item
 from proxy.background.summarizer import Summarizer, budgeted_call
-from proxy.chat.memory import RECALLED_ROLES
 from proxy.config import Settings
 from proxy.logs import event
 from proxy.search.embedder import Embedder
@@ -45,7 +45,7 @@ from proxy.search.fts_query import tokens as word_tokens
 from proxy.search.retrieval import Retriever
 from proxy.store import queries
 from proxy.store.db import Connection
-from proxy.store.models import Turn
+from proxy.store.models import RECALLED_ROLES, Turn
 from proxy.store.store import Store
 
 log = logging.getLogger("engram.consolidation")

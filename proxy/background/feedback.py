@@ -7,7 +7,8 @@ is bounded: ``feedback.keep_requests`` per user and ``feedback.keep_days``, prun
 background; a request still waiting for consolidation is kept.
 
 ``POST /engram/api/feedback`` names a request of the caller's user: ``helpful: false`` flags it
-and queues it for consolidation (:mod:`proxy.consolidation`); ``helpful: true`` is recorded and
+and queues it for consolidation (:mod:`proxy.background.consolidation`); ``helpful: true`` is
+recorded and
 queues nothing. Engram flags requests itself through :meth:`Feedback.flag` (e.g. when the model
 expands a tool-result slot that has expired).
 """

@@ -1,7 +1,8 @@
 """Figures of the memory loop for ``GET /engram/api/stats`` and ``engram stats``.
 
 Token figures (proxied, spent on summaries, spent on consolidation) are counted in the memory of
-the running server (:class:`proxy.summarizer.Summarizer`, :class:`proxy.consolidation.
+the running server (:class:`proxy.background.summarizer.Summarizer`,
+:class:`proxy.background.consolidation.
 Consolidator`). :class:`Counters` keeps them in the ``counters`` table: it adds what each server
 counted since its last write (every ``FLUSH_EVERY`` seconds and at shutdown), so several servers
 on one database add up, and a server starts from the totals, so the budgets hold across restarts.
@@ -43,14 +44,14 @@ def add_counters(conn: Connection, deltas: Mapping[str, int]) -> None:
 
 
 class ProxiedCounter(Protocol):
-    """What :class:`proxy.summarizer.Summarizer` counts."""
+    """What :class:`proxy.background.summarizer.Summarizer` counts."""
 
     tokens_proxied: int
     tokens_spent: int
 
 
 class SpentCounter(Protocol):
-    """What :class:`proxy.consolidation.Consolidator` counts."""
+    """What :class:`proxy.background.consolidation.Consolidator` counts."""
 
     tokens_spent: int
 

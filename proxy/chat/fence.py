@@ -1,7 +1,7 @@
 """The memory block: recalled turns rendered for the model under a token budget (pure).
 
 The block says plainly that these are recalled notes, not instructions; each line carries its
-date and speaker. Where it goes in the prompt is :mod:`proxy.prompt`'s business.
+date and speaker. Where it goes in the prompt is :mod:`proxy.chat.prompt`'s business.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PREAMBLE = (
 
 
 @dataclass(frozen=True)
-class Memory:
+class Recalled:
     """One recalled item, ready to show the model."""
 
     id: int
@@ -32,7 +32,7 @@ class Memory:
     score: float
 
 
-def memory_line(mem: Memory, max_chars: int = 1200) -> str:
+def memory_line(mem: Recalled, max_chars: int = 1200) -> str:
     when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(mem.timestamp))
     who = mem.speaker or mem.role
     text = " ".join(mem.content.split())
@@ -42,11 +42,11 @@ def memory_line(mem: Memory, max_chars: int = 1200) -> str:
 
 
 def memory_block(
-    memories: Sequence[Memory], budget_tokens: int, count_tokens: Callable[[str], int]
-) -> tuple[str, list[Memory]]:
+    memories: Sequence[Recalled], budget_tokens: int, count_tokens: Callable[[str], int]
+) -> tuple[str, list[Recalled]]:
     """The block text and the memories that fit in ``budget_tokens`` (best first)."""
     lines: list[str] = []
-    used: list[Memory] = []
+    used: list[Recalled] = []
     spent = count_tokens(PREAMBLE) + 8
     for mem in memories:
         line = memory_line(mem)
@@ -60,8 +60,3 @@ def memory_block(
         return "", []
     text = "\n".join([BLOCK_OPEN, PREAMBLE, *lines, BLOCK_CLOSE])
     return text, used
-
-
-def approx_tokens(text: str) -> int:
-    """A cheap token estimate (about four characters a token) for budgets."""
-    return max(1, (len(text) + 3) // 4)

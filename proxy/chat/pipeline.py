@@ -15,21 +15,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-from proxy.chat.memory import MemoryService, MemoryTurn
+from proxy.chat.memory import MemoryService
+from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError
 from proxy.relay import encode_json, is_event_stream, read_body, relay
 from proxy.slots.expand import can_add_tool
-from proxy.slots.loop import Expander
+from proxy.slots.loop import Expander, Outcome
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
 from proxy.tasks import BackgroundTasks
 from proxy.upstream import Upstream, forward_headers
@@ -37,27 +36,6 @@ from proxy.upstream import Upstream, forward_headers
 log = logging.getLogger("engram.pipeline")
 
 MEMORY_MODES = ("on", "off", "read-only", "write-only")
-
-
-@dataclass
-class ChatTurn:
-    """Everything one chat request carries through the pipeline."""
-
-    request_id: str
-    mode: str  # the X-Engram-Memory mode
-    body: dict[str, Any]
-    raw: bytes
-    started: float = field(default_factory=time.monotonic)
-    stream: bool = False
-    messages_changed: bool = False
-    response_headers: dict[str, str] = field(default_factory=dict)
-    memory: MemoryTurn | None = None
-    status: int | None = None
-    reply: AssembledReply | None = None
-    client_gone: bool = False
-    upstream_failed: bool = False
-    expand: bool = False  # the expansion tool goes with this request (proxy.expand)
-    expansions: int = 0  # round trips Engram made answering its own tool
 
 
 ReplyHook = Callable[[ChatTurn], Coroutine[Any, Any, None]]
@@ -191,19 +169,9 @@ class ChatPipeline:
         self, request: web.Request, turn: ChatTurn, payload: bytes
     ) -> web.StreamResponse:
         if turn.expand and self.expander is not None and turn.memory is not None:
-            mt = turn.memory
-            room = mt.budget - mt.assembly.tokens if mt.budget and mt.assembly else None
-            try:
-                result = await self.expander.run(
-                    request, turn, mt.identity.user, room, finish=lambda: self._commit(turn)
-                )
-            except BaseException:
-                if turn.status is not None:  # the upstream answered: archive what came
-                    self._after_reply(turn)
-                raise
-            if isinstance(result, web.StreamResponse):
-                self._after_reply(turn)
-                return result
+            response = await self._expand(request, turn, self.expander, turn.memory)
+            if response is not None:
+                return response
             # The upstream rejected the tool: the request goes as the plain rewrite.
         up = await self.upstream.send(
             request.method, request.raw_path, forward_headers(request.headers), payload
@@ -304,6 +272,34 @@ class ChatPipeline:
         estimated = await asyncio.to_thread(tokens.messages, messages)
         model = turn.body.get("model")
         tokens.learn(model if isinstance(model, str) else None, estimated, reported)
+
+    async def _expand(
+        self, request: web.Request, turn: ChatTurn, expander: Expander, mt: MemoryTurn
+    ) -> web.StreamResponse | None:
+        """The request with Engram's expansion tool (:mod:`proxy.slots.loop`); None when the
+        upstream rejected the tool."""
+        room = mt.budget - mt.assembly.tokens if mt.budget and mt.assembly else None
+        out = Outcome(turn.response_headers)
+
+        def settle() -> None:  # what the loop saw becomes the turn's, for archive and metrics
+            turn.status, turn.reply, turn.expansions = out.status, out.reply, out.expansions
+            turn.client_gone, turn.upstream_failed = out.client_gone, out.upstream_failed
+
+        async def finish() -> None:
+            settle()
+            await self._commit(turn)
+
+        try:
+            await expander.run(request, turn.body, out, mt.identity.user, room, finish=finish)
+        except BaseException:
+            settle()
+            if turn.status is not None:  # the upstream answered: archive what came
+                self._after_reply(turn)
+            raise
+        settle()
+        if out.response is not None:
+            self._after_reply(turn)
+        return out.response
 
     def _archives(self, turn: ChatTurn) -> bool:
         """Whether this turn is archived: it was placed in a session (memory on or write-only,

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.background.items import ITEM_ROLES, next_item_position
-from proxy.chat.fence import approx_tokens
 from proxy.jsonl import (
     LineError,
     Record,
@@ -31,6 +30,7 @@ from proxy.jsonl import (
 from proxy.search.embedder import Embedder
 from proxy.store.models import NewTurn, StoreError, embed_text, message_hash, text_hash
 from proxy.store.store import Store
+from proxy.tokens import estimate
 from proxy.vectors import Vector
 
 __all__ = [
@@ -71,7 +71,8 @@ Progress = Callable[[ImportReport], None]
 class _SessionState:
     next_position: int
     stored: Counter[str]  # content hashes already in the session, not yet matched
-    # Memory items (summaries, facts) take negative positions, as :mod:`proxy.items` stores them.
+    # Memory items (summaries, facts) take negative positions, as :mod:`proxy.background.items`
+    # stores them.
     next_item: int = -1
 
 
@@ -144,7 +145,7 @@ class _Importer:
             tool_calls=calls,
             tool_call_id=rec.tool_call_id,
             timestamp=rec.timestamp,
-            token_count=approx_tokens(content),
+            token_count=max(1, estimate(content)),
             incomplete=rec.incomplete,
             embed_hash=text_hash(embed_text(rec.role, rec.speaker, content)),
         )

@@ -70,7 +70,7 @@ MEMORY_COMMANDS = ("search", "sessions", "forget", "export", "import", "stats", 
 
 
 def _memory_commands(sub: Any) -> None:
-    """The commands that read or change memory (implemented in proxy.commands)."""
+    """The commands that read or change memory (implemented in proxy.cli.commands)."""
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help)

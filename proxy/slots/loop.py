@@ -1,10 +1,12 @@
-"""The I/O half of the expansion loop (:mod:`proxy.expand` holds the pure half and the contract).
+"""The I/O half of the expansion loop (:mod:`proxy.slots.expand` holds the pure half and the
+contract).
 
 :meth:`Expander.run` sends the request with the expansion tool, answers the model's calls to it
-from the slot store, re-sends, and relays to the client only what belongs to the final reply.
-It fills the :class:`proxy.pipeline.ChatTurn`'s status, reply and outcome flags as the plain
-relay does, so archiving and metrics see what the client saw, and awaits ``finish`` (the turn's
-archive) once the final reply is whole, before the client gets its last bytes.
+from the slot store, re-sends, and relays to the client only what belongs to the final reply. It
+fills an :class:`Outcome` as it goes (status, reply, outcome flags, as the plain relay reports
+them), so archiving and metrics see what the client saw, and awaits ``finish`` (the turn's
+archive) once the final reply is whole, before the client gets its last bytes. It knows nothing
+of the chat pipeline.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import asyncio
 import json
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -36,15 +39,24 @@ from proxy.slots.expand import (
     with_tool,
 )
 from proxy.slots.store import SlotStore
-from proxy.sse import ChatAssembler, SSEEvent, SSEParser, reply_from_completion
+from proxy.sse import AssembledReply, ChatAssembler, SSEEvent, SSEParser, reply_from_completion
 from proxy.upstream import Upstream, forward_headers, response_headers
-
-if TYPE_CHECKING:
-    from proxy.chat.pipeline import ChatTurn
 
 log = logging.getLogger("engram.expand")
 
-RETRY_WITHOUT_TOOL = object()  # run()'s answer when the upstream rejected the tool
+
+@dataclass
+class Outcome:
+    """What became of a request sent with the expansion tool, filled in as it happens (so the
+    caller sees how far it got even when the client went away mid-way)."""
+
+    headers: Mapping[str, str]  # Engram's response headers for the client
+    response: web.StreamResponse | None = None  # None: the upstream rejected the tool
+    status: int | None = None  # the upstream's status
+    reply: AssembledReply | None = None  # what the client got, reassembled
+    client_gone: bool = False
+    upstream_failed: bool = False
+    expansions: int = 0  # round trips Engram made answering its own tool
 
 
 def _dumps(obj: Any) -> bytes:
@@ -70,39 +82,41 @@ class Expander:
     async def run(
         self,
         request: web.Request,
-        turn: ChatTurn,
+        base: dict[str, Any],
+        out: Outcome,
         user: str,
         room: int | None,
         finish: Callable[[], Awaitable[None]] | None = None,
-    ) -> web.StreamResponse | object:
-        """The client's response, or :data:`RETRY_WITHOUT_TOOL` (send it the plain way)."""
+    ) -> Outcome:
+        """Send ``base`` with the tool and answer the model's calls to it; ``out`` (returned) has
+        the client's response, or none when the upstream rejected the tool (send it the plain
+        way). ``finish`` runs once the final reply is whole, before its last bytes are sent."""
         name = self.settings.expand_tool
-        base = turn.body
         body = with_tool(base, name)
         up = await self._send(request, body)
-        turn.status = up.status
+        out.status = up.status
         if up.status != 200:
             data = await _read_all(up)
             model = base.get("model") if isinstance(base.get("model"), str) else None
             if mentions_tools(up.status, data):
                 self.rejections.add(model)
-                return RETRY_WITHOUT_TOOL
-            turn.reply = reply_from_completion(_json_or_none(data))
-            return self._whole(up, turn, data)
-        loop = _Loop(self, request, turn, user, room, base, body, finish)
-        if is_event_stream(up):
-            return await loop.stream(up)
-        return await loop.plain(up)
+                return out
+            out.reply = reply_from_completion(_json_or_none(data))
+            out.response = self._whole(up, out, data)
+            return out
+        loop = _Loop(self, request, out, user, room, base, body, finish)
+        out.response = await (loop.stream(up) if is_event_stream(up) else loop.plain(up))
+        return out
 
     async def _send(self, request: web.Request, body: dict[str, Any]) -> aiohttp.ClientResponse:
         # Engram reads these replies, so it asks for them uncompressed.
         headers = forward_headers(request.headers, drop=("accept-encoding",))
         return await self.upstream.send(request.method, request.raw_path, headers, _dumps(body))
 
-    def _whole(self, up: aiohttp.ClientResponse, turn: ChatTurn, data: bytes) -> web.Response:
+    def _whole(self, up: aiohttp.ClientResponse, out: Outcome, data: bytes) -> web.Response:
         headers = response_headers(up.headers, keep_cors=self.keep_cors)
         headers.popall("Content-Length", None)
-        headers.update(turn.response_headers)
+        headers.update(out.headers)
         return web.Response(status=up.status, reason=up.reason, body=data, headers=headers)
 
     async def answers(
@@ -128,7 +142,7 @@ class _Loop:
         self,
         ex: Expander,
         request: web.Request,
-        turn: ChatTurn,
+        out: Outcome,
         user: str,
         room: int | None,
         base: dict[str, Any],
@@ -138,7 +152,7 @@ class _Loop:
         self.ex = ex
         self.finish = finish
         self.request = request
-        self.turn = turn
+        self.out = out
         self.user = user
         self.room = None if room is None else max(MIN_EXPANSION_TOKENS, room)
         self.base = base
@@ -153,7 +167,7 @@ class _Loop:
         answers, self.room = await self.ex.answers(calls, self.user, self.room)
         messages = [*self.body["messages"], *round_trip_messages(content, calls, answers)]
         self.rounds += 1
-        self.turn.expansions = self.rounds
+        self.out.expansions = self.rounds
         self.ex.counts["round_trips"] += 1
         body = {**self.body, "messages": messages}
         if not self._may_round_trip():  # the last request: without the tool, so it must answer
@@ -172,9 +186,9 @@ class _Loop:
             data = await _read_all(up)
             obj = _json_or_none(data)
             if up.status != 200 or not isinstance(obj, dict):
-                self.turn.status = up.status
-                self.turn.reply = reply_from_completion(obj)
-                return self.ex._whole(up, self.turn, data)
+                self.out.status = up.status
+                self.out.reply = reply_from_completion(obj)
+                return self.ex._whole(up, self.out, data)
             first_id = first_id or (obj.get("id") if isinstance(obj.get("id"), str) else None)
             usage = add_usage(usage, obj.get("usage"))
             msg = _first_message(obj)
@@ -188,18 +202,18 @@ class _Loop:
             if self.rounds or internal:
                 data = _dumps(final_completion(obj, self.name, usage, first_id))
                 obj = json.loads(data)
-            self.turn.status = up.status
-            self.turn.reply = reply_from_completion(obj)
+            self.out.status = up.status
+            self.out.reply = reply_from_completion(obj)
             if self.finish is not None:
                 await self.finish()
-            return self.ex._whole(up, self.turn, data)
+            return self.ex._whole(up, self.out, data)
 
     # --- streamed ----------------------------------------------------------------------------
 
     async def stream(self, up: aiohttp.ClientResponse) -> web.StreamResponse:
-        turn = self.turn
+        out = self.out
         headers = response_headers(up.headers, keep_cors=self.ex.keep_cors)
-        headers.update(turn.response_headers)
+        headers.update(out.headers)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         await resp.prepare(self.request)
         assembler = ChatAssembler()
@@ -213,10 +227,10 @@ class _Loop:
                 result = await self._relay_round(current, resp, rnd, assembler)
                 first_id = rnd.first_id
                 if result == "client_gone":
-                    turn.client_gone = True
+                    out.client_gone = True
                     return resp
                 if result == "failed":
-                    turn.upstream_failed = True
+                    out.upstream_failed = True
                     await _write_quietly(
                         resp,
                         sse_error_event(
@@ -237,7 +251,7 @@ class _Loop:
                 current = await self.ex._send(self.request, self.body)
                 if current.status != 200 or not is_event_stream(current):
                     data = await _read_all(current)
-                    turn.upstream_failed = True
+                    out.upstream_failed = True
                     await _write_quietly(
                         resp,
                         sse_error_event(
@@ -248,13 +262,13 @@ class _Loop:
                     )
                     return resp
         except ConnectionResetError:
-            turn.client_gone = True
+            out.client_gone = True
             return resp
         except asyncio.CancelledError:
-            turn.client_gone = True
+            out.client_gone = True
             raise
         finally:
-            turn.reply = assembler.finish(ended_cleanly=ended_cleanly)
+            out.reply = assembler.finish(ended_cleanly=ended_cleanly)
             if ended_cleanly:
                 current.release()
             else:
@@ -345,7 +359,7 @@ class _Loop:
             assembler.done = True
             tail.append(b"data: [DONE]\n\n")
         if self.finish is not None:
-            self.turn.reply = assembler.finish(ended_cleanly=True)
+            self.out.reply = assembler.finish(ended_cleanly=True)
             await self.finish()
         if tail:
             await resp.write(b"".join(tail))

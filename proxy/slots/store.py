@@ -33,7 +33,8 @@ cache is cleared whenever the backend switches (a Redis that comes back may have
 a slot that a ``get`` did not find leaves it.
 
 Counters (puts, hits, misses, errors per backend) are kept in memory and added to the ``counters``
-table (names ``slots_<backend>_<kind>``) every :data:`proxy.stats.FLUSH_EVERY` seconds and at
+table (names ``slots_<backend>_<kind>``) every :data:`proxy.background.stats.FLUSH_EVERY` seconds
+and at
 :meth:`SlotStore.close`, so ``engram stats`` can show them without a server. A hit counts against
 the backend that had the slot; a miss (unknown or expired everywhere) against the backend in use.
 """
@@ -77,7 +78,7 @@ SCAN_BATCH = 1000
 
 @dataclass(frozen=True)
 class Slot:
-    """One stored tool output. ``id`` is deterministic (see :mod:`proxy.slots`)."""
+    """One stored tool output. ``id`` is deterministic (see :mod:`proxy.slots.refs`)."""
 
     id: str
     tool: str

@@ -43,7 +43,7 @@ Conventions the schema fixes (migration 1):
   background), ``feedback`` and ``consolidation_queue`` hang off them by ``request_id``
   (cascade), ``counters`` holds running token totals, and the ``sessions_ad_facts`` trigger
   deletes the facts (``role = 'fact'``) whose ``source_session`` is deleted.
-- Migration 5 (tool-result slots, embedded backend of :mod:`proxy.slotstore`): ``slots`` holds
+- Migration 5 (tool-result slots, embedded backend of :mod:`proxy.slots.store`): ``slots`` holds
   one row per ``(user_id, id)`` with the tool output and its ``expires_at`` (REAL Unix seconds;
   a row past it is expired: never read, deleted by the periodic purge). It is an ordinary rowid
   table, not ``WITHOUT ROWID``: tool outputs are large rows, which ``WITHOUT ROWID`` tables
@@ -399,7 +399,8 @@ def _m005_slots(conn: Connection) -> None:
 
 def _m006_deferred_index(conn: Connection) -> None:
     """Chat turns are archived the moment a reply ends, and indexed afterwards in the background
-    (``proxy.indexer``): a turn inserted with ``fts_pending = 1`` skips the insert trigger; the
+    (``proxy.background.indexer``): a turn inserted with ``fts_pending = 1`` skips the insert
+    trigger; the
     turns still waiting for their full-text row (``fts_pending = 1``) or their vector
     (``embed_hash IS NULL``) are what the indexer replays at start."""
     _execute_script(

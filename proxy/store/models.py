@@ -2,7 +2,7 @@
 
 - :class:`NewTurn` — a message to archive; :class:`Turn` — an archived one; :class:`Session`.
 - ``turns.content_hash`` identifies a message as the caller sees it: pass the chain hash of
-  :func:`proxy.identity.chain_hashes` as ``NewTurn.content_hash`` and
+  :func:`proxy.messages.chain_hashes` as ``NewTurn.content_hash`` and
   :meth:`Store.resolve_session` finds the session a resent conversation continues; left out,
   it defaults to :func:`message_hash` (role, name, content, tool calls, tool call id).
   :meth:`Store.session_turn_hashes` returns them in position order.
@@ -67,6 +67,10 @@ def index_text(role: str, speaker: str | None, content: str) -> str:
 
 EMBED_CHARS = 2000
 """Longest text embedded for a turn (the default model reads 256 tokens anyway)."""
+
+RECALLED_ROLES = frozenset({"user", "assistant", "tool", "function", "summary", "fact"})
+"""Roles whose turns are recalled into other conversations; system prompts and tool plumbing
+are archived (nothing is lost) but never injected."""
 
 
 def embed_text(role: str, speaker: str | None, content: str) -> str:

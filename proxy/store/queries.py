@@ -32,6 +32,7 @@ _TURN_COLS = (
     "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
     "timestamp, token_count, content_hash, incomplete"
 )
+_TURN_COLS_T = ", ".join(f"t.{c.strip()}" for c in _TURN_COLS.split(","))
 
 
 def _session(row: Sequence[Any]) -> Session:
@@ -148,7 +149,7 @@ def resolve_session(
     """The user's session holding the longest prefix of ``hashes``, and that prefix's length.
 
     ``hashes[i]`` is the expected ``content_hash`` at position ``i``. They must be chain hashes
-    (each covering every earlier message, as :func:`proxy.identity.chain_hashes` makes them), so
+    (each covering every earlier message, as :func:`proxy.messages.chain_hashes` makes them), so
     a match at position ``i`` implies positions ``0..i`` match. Prefixes shorter than
     ``min_length`` do not count. Ties go to the most recently seen session. Only sessions whose
     parent is ``parent_id`` count (None: top-level sessions), so a sub-agent's conversation never
@@ -415,6 +416,40 @@ def next_position(conn: Connection, session_id: str) -> int:
         "SELECT max(position) FROM turns WHERE session_id = ?", (session_id,)
     ).fetchone()
     return 0 if last is None else int(last) + 1
+
+
+def session_owner(conn: Connection, session_id: str) -> str | None:
+    """The user namespace a session belongs to (None: no such session)."""
+    row = conn.execute("SELECT user_id FROM sessions WHERE id = ?", (session_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def hashes_from(conn: Connection, session_id: str, position: int) -> dict[int, str]:
+    """The chain hash a session holds at each position from ``position`` on."""
+    rows = conn.execute(
+        "SELECT position, content_hash FROM turns WHERE session_id = ? AND position >= ?",
+        (session_id, position),
+    )
+    return {int(r[0]): str(r[1]) for r in rows}
+
+
+def turns_at(
+    conn: Connection, user_id: str, places: Sequence[tuple[str, int]]
+) -> dict[tuple[str, int], Turn]:
+    """The user's turns at these (session id, position) places, by place: one query, each place
+    an exact lookup in the (session_id, position) index (CROSS JOIN keeps SQLite from walking the
+    user's whole turns_user index instead)."""
+    if not places:
+        return {}
+    rows = conn.execute(
+        f"SELECT {_TURN_COLS_T} FROM json_each(?) AS p CROSS JOIN turns AS t"
+        " ON t.session_id = json_extract(p.value, '$[0]')"
+        " AND t.position = json_extract(p.value, '$[1]')"
+        " WHERE t.user_id = ?",
+        (json.dumps(list(places)), user_id),
+    )
+    out = [_turn(r) for r in rows]
+    return {(t.session_id, t.position): t for t in out}
 
 
 def session_turn_hashes(conn: Connection, session_id: str) -> list[str]:

@@ -79,7 +79,7 @@ def fts_search(
 ) -> list[tuple[int, float]]:
     """(turn id, bm25) best first; bm25 is FTS5's (lower is better, usually negative).
 
-    ``match`` must be a safe FTS5 expression (see :mod:`proxy.fts_query`). With
+    ``match`` must be a safe FTS5 expression (see :mod:`proxy.search.fts_query`). With
     ``session_ids=None`` the user's indexed sessions are searched, else exactly those sessions;
     turns of ``exclude_sessions`` are left out either way. ``weights``: one per column.
 

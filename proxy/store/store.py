@@ -347,7 +347,7 @@ class Store:
         exclude_ids: Iterable[int] = (),
         exclude_sessions: Sequence[str] = (),
     ) -> list[tuple[int, float]]:
-        """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.fts_query`."""
+        """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.search.fts_query`."""
         sessions = list(session_ids) if session_ids is not None else None
         excluded = list(exclude_ids)
         skip = list(exclude_sessions)

@@ -1,0 +1,147 @@
+"""Archiving a turn: the rows of the request's new messages (made beside the upstream call) and
+of the reply, written in one transaction once the reply is whole, before the client's last byte.
+
+Only the rows are written there (``fts_pending``; about a third of a millisecond): the next
+request of the conversation, however fast it follows, finds them, and a turn the client received
+survives a crash of Engram. Full-text rows and vectors follow in the background
+(:mod:`proxy.background.indexer`). Secrets are redacted before anything is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from proxy.background.indexer import Indexer
+from proxy.chat.sessions import commit_turns
+from proxy.chat.turn import MemoryTurn
+from proxy.logs import event
+from proxy.messages import content_text, extend_chain, without_lone_surrogates
+from proxy.redact import redact
+from proxy.store.models import NewTurn, embed_text, text_hash
+from proxy.store.store import Store
+from proxy.tokens import estimate
+
+log = logging.getLogger("engram.archive")
+
+# New messages with more text than this are made into archive rows on a thread.
+THREAD_CHARS = 20_000
+
+
+def to_new_turns(
+    messages: Sequence[Mapping[str, Any]],
+    chains: Sequence[str],
+    first: int,
+    redact_secrets: bool,
+    now: float,
+    *,
+    incomplete: bool = False,
+) -> list[NewTurn]:
+    """Archive rows for ``messages`` (already known new), positions from ``first``."""
+    out: list[NewTurn] = []
+    for i, (msg, chain) in enumerate(zip(messages, chains, strict=True)):
+        text = content_text(msg.get("content"))
+        calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
+        if redact_secrets:
+            text = redact(text)
+            if calls:
+                calls = [_redact_call(c) for c in calls]
+        name = msg.get("name") if isinstance(msg.get("name"), str) else None
+        call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
+        role = str(msg.get("role"))
+        out.append(
+            NewTurn(
+                position=first + i,
+                role=role,
+                content=text,
+                speaker=name,
+                tool_calls=calls,
+                tool_call_id=call_id,
+                timestamp=now,
+                token_count=max(1, estimate(text)),
+                incomplete=incomplete,
+                content_hash=chain,
+                embed_hash=text_hash(embed_text(role, name, text)),
+            )
+        )
+    return out
+
+
+def _redact_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    fn = dict(call["function"])
+    if isinstance(fn.get("arguments"), str):
+        fn["arguments"] = redact(fn["arguments"])
+    return {**call, "function": fn}
+
+
+class Archive:
+    """Writes turns (once per request) and hands them to the indexer."""
+
+    def __init__(self, store: Store, indexer: Indexer | None, redact_secrets: bool) -> None:
+        self.store = store
+        self.indexer = indexer
+        self.redact_secrets = redact_secrets
+        self.archived_turns = 0
+
+    async def request_rows(self, mt: MemoryTurn, now: float) -> list[NewTurn]:
+        """Archive rows for the request's messages that its session does not hold yet."""
+        placement = mt.placement
+        assert placement is not None
+        first = placement.matched
+        new = mt.messages[first:]
+
+        def make() -> list[NewTurn]:
+            return to_new_turns(
+                new,
+                mt.chains[first:],
+                placement.next_position,
+                self.redact_secrets,
+                now,
+            )
+
+        chars = sum(len(content_text(m.get("content"))) for m in new)
+        return await asyncio.to_thread(make) if chars > THREAD_CHARS else make()
+
+    async def commit(
+        self, mt: MemoryTurn, reply_message: dict[str, Any] | None, complete: bool
+    ) -> bool:
+        """Archive the request's new messages and the reply in one write transaction (at most
+        once per request) and hand them to the indexer; False when there was nothing to do.
+        The caller shields this from cancellation."""
+        placement = mt.placement
+        if placement is None or mt.committed:
+            return False
+        mt.committed = True
+        rows = list(await mt.request_rows) if mt.request_rows is not None else []
+        now = time.time()
+        if reply_message is not None and (
+            content_text(reply_message.get("content")) or reply_message.get("tool_calls")
+        ):
+            reply_message = without_lone_surrogates(reply_message)
+            prev = mt.chains[-1] if mt.chains else ""
+            position = placement.next_position + len(mt.messages) - placement.matched
+            rows += to_new_turns(
+                [reply_message],
+                [extend_chain(prev, reply_message)],
+                position,
+                self.redact_secrets,
+                now,
+                incomplete=not complete,
+            )
+        if rows:
+            session, inserted = await self.store.write(
+                lambda c: commit_turns(c, placement, rows, now)
+            )
+            self.archived_turns += len(inserted)
+            if session.id != placement.session.id:
+                mt.placement = dataclasses.replace(placement, session=session)
+            event(log, logging.DEBUG, "archived", session=session.id, turns=len(inserted))
+            if self.indexer is not None:
+                self.indexer.submit(inserted)
+        return True

@@ -1,0 +1,244 @@
+"""The rewrite stage: what the forwarded prompt holds, under the upstream's token budget.
+
+The budget is the upstream's context size (:meth:`Rewriter.budget`) minus the reply's room and a
+safety share. Old bulky tool outputs become slot references first (:mod:`proxy.slots.refs`, the
+assembler works on that view); a draft assembly tells recall which turns the window keeps; the
+final assembly (:func:`proxy.chat.prompt.assemble`, pure) puts the memory block
+(:mod:`proxy.chat.fence`) at the start and the rolling summary plus recent turns at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from proxy.background.summarizer import Summarizer, get_summary
+from proxy.cache import LRU
+from proxy.chat.fence import Recalled, memory_block
+from proxy.chat.prompt import Assembly, Message, assemble
+from proxy.chat.recall import Recall
+from proxy.chat.turn import MemoryTurn
+from proxy.config import Settings
+from proxy.messages import content_text
+from proxy.slots.refs import TOOL_ROLES, Candidate, references
+from proxy.slots.refs import apply as apply_slots
+from proxy.slots.refs import find as find_outputs
+from proxy.slots.store import SlotStore
+from proxy.store.store import Store
+from proxy.tokens import TokenCounter
+
+log = logging.getLogger("engram.rewrite")
+
+# Tokens kept spare beyond the reply's room: chat templates add their own.
+PROMPT_MARGIN = 32
+PROMPT_SAFETY = 0.05  # share of the budget left unused: token estimates err by a few percent
+# Messages whose token counts are remembered (by chain hash) across requests.
+SIZE_CACHE = 50_000
+LAST_REQUESTS = 1000
+
+
+class Rewriter:
+    """Budgets and assembles the forwarded prompt; one per server (it keeps token counts)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        tokens: TokenCounter,
+        recall: Recall,
+        context_size: Callable[[str | None], Awaitable[int | None]] | None = None,
+        summarizer: Summarizer | None = None,
+        slots: SlotStore | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.tokens = tokens
+        self.recall = recall
+        self.context_size = context_size
+        self.summarizer = summarizer
+        self.slots = slots
+        self._sizes: LRU[str, int] = LRU(SIZE_CACHE)  # chain hash -> message tokens
+        self._raw_counts: LRU[str, int] = LRU(SIZE_CACHE)  # text hash -> tokens
+        # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
+        self.last_requests: LRU[str, tuple[float, Assembly]] = LRU(LAST_REQUESTS)
+
+    async def compose(self, mt: MemoryTurn, body: Mapping[str, Any], recall: bool) -> None:
+        """Recall memories for what the window does not hold, then assemble the prompt."""
+        s = self.settings
+        budget = mt.budget = await self.budget(body, mt.model)
+        sizes = await self.message_sizes(mt)
+        model = mt.model
+        view = mt.view = await self.slot_view(mt)
+        if view is not mt.messages:  # the references, counted once (the assembler asks often)
+            factor = self.tokens.factor(model)
+            for m in view:
+                if id(m) not in sizes:
+                    sizes[id(m)] = round(self.tokens.messages([m]) * factor)
+
+        def count_text(text: str) -> int:
+            return self.tokens.count(text, model)
+
+        def count(msg: Message) -> int:
+            n = sizes.get(id(msg))
+            return (
+                n
+                if n is not None
+                else round(self.tokens.messages([msg]) * self.tokens.factor(model))
+            )
+
+        if budget is not None and mt.placement is not None and self.summarizer is not None:
+            sid = mt.placement.session.id
+            found = await self.store.read(lambda c: get_summary(c, sid))
+            mt.summary = found.content if found else None
+        if mt.placement is not None:
+            last = self.last_requests.get(mt.placement.session.id)
+            mt.previous_start = last[1].window_start if last and last[1].rewritten else None
+        mt.memory_room = self.memory_room(budget) if recall else 0
+        mem_room = mt.memory_room
+        draft = assemble(
+            view,
+            budget=None if budget is None else budget - mem_room,
+            count=count,
+            count_text=count_text,
+            mode=s.prompt.mode,
+            whole_share=s.prompt.whole_share,
+            summary=mt.summary,
+            previous_start=mt.previous_start,
+        )
+        memories = await self.recall.recall(mt, draft.window_start) if recall else []
+        final = self.assemble(mt, memories, budget, count, count_text)
+        kept = self.recall.not_in(memories, mt.messages[final.window_start :])
+        if len(kept) != len(memories):  # the final window holds some: drop them, assemble again
+            final = self.assemble(mt, kept, budget, count, count_text)
+        if view is not mt.messages:  # the client's own count, before its outputs became slots
+            final.original_tokens = sum(count(m) for m in mt.messages)
+        mt.assembly = final
+        if self.summarizer is not None:
+            self.summarizer.account_prompt(final.tokens)
+        if final.messages != mt.messages:
+            mt.forward = final.messages
+            mt.slot_refs = references(final.messages) if mt.slot_refs else []
+        if mt.placement is not None:
+            self.last_requests[mt.placement.session.id] = (time.time(), final)
+
+    async def budget(self, body: Mapping[str, Any], model: str | None) -> int | None:
+        """Prompt tokens available: the context size minus the room kept for the reply."""
+        if self.context_size is None:
+            return None
+        try:
+            ctx = await self.context_size(model)
+        except Exception:
+            log.exception("could not learn the upstream's context size")
+            return None
+        if not ctx:
+            return None
+        reserve = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve <= 0:
+            reserve = min(self.settings.prompt.reply_reserve, ctx // 4)
+        # Counts are estimates (another tokenizer, corrected on average): keep a safety share.
+        return max(0, int((ctx - reserve) * (1 - PROMPT_SAFETY)) - PROMPT_MARGIN)
+
+    async def message_sizes(self, mt: MemoryTurn) -> dict[int, int]:
+        """Token counts of the client's messages by ``id()``, cached by chain hash across
+        requests (clients resend the history); large uncached batches go to a thread."""
+        missing = [
+            (m, h) for m, h in zip(mt.messages, mt.chains, strict=True) if h not in self._sizes
+        ]
+        if missing:
+
+            def count_all() -> list[int]:
+                return [self.tokens.messages([m]) for m, _ in missing]
+
+            chars = sum(len(content_text(m.get("content"))) for m, _ in missing)
+            counts = await asyncio.to_thread(count_all) if chars > 20_000 else count_all()
+            for (_, h), n in zip(missing, counts, strict=True):
+                self._sizes[h] = n
+        ratio = self.tokens.factor(mt.model)
+        out: dict[int, int] = {}
+        for m, h in zip(mt.messages, mt.chains, strict=True):
+            cached = self._sizes.get(h)
+            # evicted meanwhile (a prompt longer than the cache): count again
+            tokens = cached if cached is not None else self.tokens.messages([m])
+            out[id(m)] = round(tokens * ratio)
+        return out
+
+    async def slot_view(self, mt: MemoryTurn) -> list[dict[str, Any]]:
+        """The messages with old bulky tool outputs swapped for references to stored slots.
+        An output that could be stored nowhere stays raw: nothing is ever dropped."""
+        s = self.settings.slots
+        if self.slots is None or not s.enabled:
+            return mt.messages
+        tool_chars = sum(
+            len(content_text(m.get("content")))
+            for m in mt.messages
+            if m.get("role") in TOOL_ROLES or (s.detect_text_results and m.get("role") == "user")
+        )
+        if tool_chars <= s.min_tokens:
+            return mt.messages
+
+        def plan() -> list[Candidate]:
+            return find_outputs(
+                mt.messages,
+                min_tokens=s.min_tokens,
+                keep_recent=s.keep_recent,
+                count=self.raw_tokens,
+                detect_text=s.detect_text_results,
+            )
+
+        found = await asyncio.to_thread(plan) if tool_chars > 20_000 else plan()
+        if not found:
+            return mt.messages
+        unique = list({c.slot.id: c.slot for c in found}.values())
+        try:
+            stored = await self.slots.put_many(mt.identity.user, unique)
+        except Exception:  # put_many never raises; if it did, the outputs go raw
+            log.exception("storing tool-result slots failed; forwarding them raw")
+            return mt.messages
+        keep = [c for c in found if c.slot.id in stored]
+        mt.slot_refs = list(dict.fromkeys(c.slot.id for c in keep))
+        return apply_slots(mt.messages, keep) if keep else mt.messages
+
+    def raw_tokens(self, text: str) -> int:
+        """Tokens of a tool output by the fixed tokenizer (deterministic: the reference's
+        description holds it), cached by content hash."""
+        key = hashlib.sha1(text.encode()).hexdigest()
+        n = self._raw_counts.get(key)
+        if n is None:
+            n = self.tokens.raw(text)
+            self._raw_counts[key] = n
+        return n
+
+    def memory_room(self, budget: int | None) -> int:
+        """Tokens the memory block may take: its cap, and a share of the prompt budget."""
+        r = self.settings.retrieval
+        if budget is None:
+            return r.budget_tokens
+        return max(0, min(r.budget_tokens, int(r.budget_share * budget)))
+
+    def assemble(
+        self,
+        mt: MemoryTurn,
+        memories: list[Recalled],
+        budget: int | None,
+        count: Callable[[Message], int],
+        count_text: Callable[[str], int],
+    ) -> Assembly:
+        s = self.settings
+        block, used = memory_block(memories, mt.memory_room, count_text)
+        mt.injected = [m.id for m in used]
+        return assemble(
+            mt.view if mt.view is not None else mt.messages,
+            budget=budget,
+            count=count,
+            count_text=count_text,
+            memory_block=block,
+            memory_ids=mt.injected,
+            mode=s.prompt.mode,
+            whole_share=s.prompt.whole_share,
+            summary=mt.summary,
+            previous_start=mt.previous_start,
+        )

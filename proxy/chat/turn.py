@@ -1,0 +1,75 @@
+"""What one chat request carries through the stages: the pipeline's :class:`ChatTurn` and the
+memory stages' :class:`MemoryTurn` (with its :class:`Placement`). Data only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.chat.identity import Identity
+from proxy.chat.prompt import Assembly
+from proxy.sse import AssembledReply
+from proxy.store.models import NewTurn, Session
+
+
+@dataclass
+class Placement:
+    """Where this request's messages belong: the session, and which of them are new."""
+
+    session: Session
+    matched: int  # leading messages of the request already stored in this session
+    explicit: bool
+    created: bool
+    next_position: int  # the position the first new message takes
+
+
+@dataclass
+class MemoryTurn:
+    """What the memory stages learned about one chat request."""
+
+    identity: Identity
+    messages: list[dict[str, Any]]  # as the client sent them (what is archived)
+    chains: list[str]
+    forward: list[dict[str, Any]] | None = None  # what to forward instead, when changed
+    model: str | None = None
+    assembly: Assembly | None = None
+    summary: str | None = None
+    previous_start: int | None = None  # where this conversation's last window began
+    memory_room: int = 0  # tokens the memory block may take in this request
+    placement: Placement | None = None
+    # The archive rows of the request's new messages, made beside the upstream call; committed
+    # with the reply by the archive stage (once: ``committed``).
+    request_rows: asyncio.Task[list[NewTurn]] | None = None
+    committed: bool = False
+    summary_upto: int | None = None  # after the commit, fold the turns before this into the summary
+    injected: list[int] = field(default_factory=list)
+    skipped: str | None = None  # why memory did nothing (housekeeping, …)
+    budget: int | None = None  # prompt tokens the upstream's context allows (None: unknown)
+    # The client's messages with old bulky tool outputs swapped for slot references (same
+    # length and order as ``messages``); what the assembler works on.
+    view: list[dict[str, Any]] | None = None
+    slot_refs: list[str] = field(default_factory=list)  # slot ids the forwarded prompt holds
+    query_vector: asyncio.Task[Any] | None = None  # the recall query's embedding, under way
+
+
+@dataclass
+class ChatTurn:
+    """Everything one chat request carries through the pipeline."""
+
+    request_id: str
+    mode: str  # the X-Engram-Memory mode
+    body: dict[str, Any]
+    raw: bytes
+    started: float = field(default_factory=time.monotonic)
+    stream: bool = False
+    messages_changed: bool = False
+    response_headers: dict[str, str] = field(default_factory=dict)
+    memory: MemoryTurn | None = None
+    status: int | None = None
+    reply: AssembledReply | None = None
+    client_gone: bool = False
+    upstream_failed: bool = False
+    expand: bool = False  # the expansion tool goes with this request (proxy.slots.expand)
+    expansions: int = 0  # round trips Engram made answering its own tool
