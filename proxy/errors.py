@@ -7,7 +7,8 @@
     ├── NotFound                   404 an Engram route or object that does not exist
     │   └── ParentNotFound         404 X-Engram-Parent names no session of this user
     ├── PayloadTooLarge            413 a body over server.max_body_bytes
-    └── UpstreamUnavailable        502 the model server cannot be reached (not retryable)
+    ├── UpstreamUnavailable        502 the model server cannot be reached (not retryable)
+    └── ServiceUnavailable         503 a part of Engram that is switched off (memory, slots)
 
 Upstream errors are never wrapped: they are relayed with the status and body the upstream sent.
 """
@@ -70,6 +71,11 @@ class PayloadTooLarge(EngramError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class ServiceUnavailable(EngramError):
+    status = 503
+    type = "server_error"
 
 
 class UpstreamUnavailable(EngramError):

@@ -322,7 +322,7 @@ async def run_config(
     """Replay every conversation through a fresh Engram; figures per sample_id."""
     import aiohttp
 
-    from proxy.app import MEMORY, PIPELINE, RETRIEVER, TASKS
+    from proxy.services import SERVICES
     from proxy.store.models import Turn
     from tests.conftest import start_engram
     from tests.fake_upstream import FakeUpstream, JsonReply, chat_completion
@@ -345,13 +345,13 @@ async def run_config(
                 async def on_reply(turn: Any) -> None:
                     replied.set()
 
-                app[PIPELINE].reply_hooks.append(on_reply)
+                app[SERVICES].pipeline.reply_hooks.append(on_reply)
 
                 async def settle() -> None:
                     """Until the reply hooks (archiving) of the last request are done."""
                     await replied.wait()
                     replied.clear()
-                    await app[TASKS].drain(timeout=120)
+                    await app[SERVICES].tasks.drain(timeout=120)
 
                 async def send(
                     conv: Conversation, messages: list[dict[str, Any]], reply: str, memory: str
@@ -377,7 +377,7 @@ async def run_config(
                     engram.turns.clear()
                     forwarded = fake.chat_requests()[-1].json()["messages"]
                     fake.requests.clear()
-                    last = app[MEMORY].last_requests.get(session)
+                    last = app[SERVICES].memory.last_requests.get(session)
                     return forwarded, last[1] if last else None
 
                 for conv in convs:
@@ -430,7 +430,7 @@ async def run_config(
                             def keep(turn: Turn, window: list[str] = window) -> bool:
                                 return squash(turn.content) not in window
 
-                            hits = await app[RETRIEVER].search(
+                            hits = await app[SERVICES].retriever.search(
                                 conv.sample_id, q.text, DIAGNOSE_K, keep=keep
                             )
                             found = [squash(h.turn.content) for h in hits]

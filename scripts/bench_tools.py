@@ -71,8 +71,8 @@ if str(ROOT) not in sys.path:  # tests.* drive the run (fake upstream, in-proces
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from proxy.app import MEMORY  # noqa: E402
 from proxy.config import SlotsSettings  # noqa: E402
+from proxy.services import SERVICES  # noqa: E402
 from proxy.slots.refs import references, slot_id  # noqa: E402
 from proxy.slots.store import Slot, SlotStore  # noqa: E402
 from proxy.store.store import Store  # noqa: E402
@@ -813,7 +813,7 @@ async def replay(
                     forwarded = sent[0].json()
                     run.forwarded.append(tally(forwarded))
                     run.references.append(len(references(forwarded["messages"])))
-                    last = engram.app[MEMORY].last_requests.get(sid)
+                    last = engram.app[SERVICES].memory.last_requests.get(sid)
                     run.aged.append(last[1].aged if last else 0)
         finally:
             await engram.close()

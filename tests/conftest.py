@@ -15,9 +15,10 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from proxy.app import PIPELINE, TASKS, create_app
+from proxy.app import create_app
 from proxy.chat.turn import ChatTurn
 from proxy.config import Settings, load_settings
+from proxy.services import SERVICES
 from tests.fake_upstream import FakeUpstream
 from tests.redis_server import RedisServer, find_redis_server
 
@@ -66,13 +67,13 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     async def probe(turn: ChatTurn) -> None:
         engram.turns.append(turn)
 
-    app[PIPELINE].reply_hooks.append(probe)
+    app[SERVICES].pipeline.reply_hooks.append(probe)
     return engram
 
 
 async def settle(engram: Engram, timeout: float = 10.0) -> None:
     """Wait until Engram's background work (archiving, embedding, summaries) is done."""
-    tasks = engram.app[TASKS]
+    tasks = engram.app[SERVICES].tasks
     for _ in range(int(timeout / 0.01)):
         if not len(tasks):
             return

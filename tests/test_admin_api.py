@@ -13,10 +13,10 @@ from aiohttp.test_utils import make_mocked_request
 from yarl import URL
 
 from proxy.api.routes import admin_allowed, check_admin, is_loopback
-from proxy.app import MEMORY, SETTINGS, STORE
 from proxy.cli.importer import ImportReport, import_records
 from proxy.config import load_settings
 from proxy.errors import Forbidden
+from proxy.services import SERVICES
 from proxy.store.db import Connection
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream
@@ -35,7 +35,7 @@ DATA: list[dict[str, Any]] = [
 
 
 async def seed(engram: Engram, records: list[dict[str, Any]] = DATA) -> ImportReport:
-    store, embedder = engram.app[STORE], engram.app[MEMORY].embedder
+    store, embedder = engram.app[SERVICES].store, engram.app[SERVICES].memory.embedder
     return await import_records(store, embedder, list(enumerate(records, 1)), 64)
 
 
@@ -220,7 +220,7 @@ async def test_delete_removes_turns_index_rows_and_vectors(
     engram: Engram, http: aiohttp.ClientSession
 ) -> None:
     await seed(engram)
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     ids = [t.id for t in await store.session_turns("a1")]
     assert len(ids) == 3
 
@@ -316,14 +316,14 @@ def test_is_loopback_scoped_ipv6() -> None:
 
 def test_check_admin_on_a_remote_request() -> None:
     app = web.Application()
-    app[SETTINGS] = load_settings(None, None, {"memory": {"admin_token": "t0k"}})
+    token = load_settings(None, None, {"memory": {"admin_token": "t0k"}}).memory.admin_token
     remote = make_mocked_request("GET", API + "/sessions", app=app).clone(remote="203.0.113.9")
     with pytest.raises(Forbidden, match="Bearer"):
-        check_admin(remote)
+        check_admin(remote, token)
     with_token = make_mocked_request(
         "GET", API + "/sessions", headers={"Authorization": "Bearer t0k"}, app=app
     ).clone(remote="203.0.113.9")
-    check_admin(with_token)
+    check_admin(with_token, token)
 
 
 def _own_address() -> str | None:

@@ -8,8 +8,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import CONSOLIDATOR, STORE
 from proxy.background.facts import INSTRUCTIONS, Fact, parse_facts
+from proxy.services import SERVICES
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion
 from tests.fake_upstream import FakeUpstream, JsonReply
@@ -61,7 +61,7 @@ async def search(http: aiohttp.ClientSession, engram: Engram, q: str, user: str 
 
 async def counts(engram: Engram) -> dict[str, int]:
     """Rows of everything memory holds."""
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
 
     def count(c: Any) -> dict[str, int]:
         return {
@@ -73,7 +73,7 @@ async def counts(engram: Engram) -> dict[str, int]:
 
 
 async def queue(engram: Engram) -> list[tuple[Any, ...]]:
-    return await engram.app[STORE].read(
+    return await engram.app[SERVICES].store.read(
         lambda c: [
             tuple(r)
             for r in c.execute("SELECT status, attempts, facts, error FROM consolidation_queue")
@@ -103,8 +103,8 @@ def no_usage(text: str) -> JsonReply:
 
 
 def within_budget(e: Engram) -> tuple[int, int, float]:
-    c = e.app[CONSOLIDATOR]
-    share = e.app[CONSOLIDATOR].settings.consolidation.budget_share
+    c = e.app[SERVICES].consolidator
+    share = e.app[SERVICES].consolidator.settings.consolidation.budget_share
     assert c.tokens_spent <= share * c.tokens_proxied
     return c.tokens_spent, c.tokens_proxied, share
 
@@ -174,7 +174,7 @@ async def test_over_budget_it_waits_and_spends_nothing(
         assert len(fake.chat_requests()) == calls  # no upstream call at all
         assert await queue(e) == [("pending", 0, 0, None)]
         assert await counts(e) == before
-        c = e.app[CONSOLIDATOR]
+        c = e.app[SERVICES].consolidator
         assert c.tokens_spent == 0 and c.waited == 3 and c.tokens_proxied > 0
         assert report["tokens_allowed"] == int(0.001 * c.tokens_proxied)
         print(f"\nconsolidation over budget: spent 0, allowed {report['tokens_allowed']}")
@@ -189,7 +189,7 @@ async def test_at_the_default_share_it_waits_for_traffic_then_runs(
     e = await start(fake, max_tokens=64)
     try:
         await flagged(http, e)
-        c = e.app[CONSOLIDATOR]
+        c = e.app[SERVICES].consolidator
         assert c.settings.consolidation.budget_share == 0.05
         report = await post(http, e, "consolidate")
         assert (report["processed"], report["waiting"], c.tokens_spent) == (0, 1, 0)
@@ -241,7 +241,7 @@ async def test_failures_and_junk_never_touch_memory(
         assert report["failed"] == 1  # the third try was the last
         (entry,) = await queue(e)
         assert entry == ("failed", 3, 0, "the reply held no parseable fact")
-        c = e.app[CONSOLIDATOR]
+        c = e.app[SERVICES].consolidator
         assert c.junk == 2 and c.call_failures == 1 and c.facts_stored == 0
         spent, proxied, share = within_budget(e)
         print(f"\nconsolidation failures: spent {spent} of {proxied} proxied (share {share})")
@@ -272,7 +272,7 @@ async def test_subagent_facts_stay_in_the_subagent(
         assert report["facts"] == 1
         excerpts = fake.chat_requests()[-1].json()["messages"][1]["content"]
         assert "weather" not in excerpts  # searched in the sub-agent's own session only
-        store = e.app[STORE]
+        store = e.app[SERVICES].store
         assert await store.get_session("facts~u") is None
         facts = [t for t in await store.session_turns("kid", from_position=-10) if t.role == "fact"]
         assert [(t.speaker, t.content) for t in facts] == [("vault", "the vault code is 4417")]

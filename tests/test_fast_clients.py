@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import STORE
 from proxy.chat.archive import to_new_turns
 from proxy.messages import canonical, chain_hashes, content_text, without_lone_surrogates
+from proxy.services import SERVICES
 from proxy.store.models import Turn
 from tests.conftest import Engram, settle
 from tests.fake_chunks import chat_chunks, chat_completion
@@ -29,7 +29,7 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 
 async def user_turns(engram: Engram, user: str) -> dict[str, list[Turn]]:
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     return {s.id: await store.session_turns(s.id) for s in await store.list_sessions(user)}
 
 
@@ -111,7 +111,7 @@ async def test_reply_is_stored_before_the_client_has_its_last_byte(
         msgs = [SYSTEM, {"role": "user", "content": f"question {i}"}]
         text, sid = await send(http, engram, msgs, headers, stream=i < 2)
         assert text == want
-        stored = await engram.app[STORE].session_turns(sid)  # no settle
+        stored = await engram.app[SERVICES].store.session_turns(sid)  # no settle
         assert [t.content for t in stored] == [SYSTEM["content"], f"question {i}", want], i
         assert not stored[-1].incomplete
 
@@ -186,10 +186,10 @@ async def test_rejected_request_is_not_archived(
         assert r.status == 401
         await r.read()
     await settle(engram)
-    assert await engram.app[STORE].session_turns("r") == []
+    assert await engram.app[SERVICES].store.session_turns("r") == []
     text, _ = await send(http, engram, body["messages"], headers, stream=True)
     await settle(engram)
-    stored = await engram.app[STORE].session_turns("r")
+    stored = await engram.app[SERVICES].store.session_turns("r")
     assert [t.content for t in stored] == [SYSTEM["content"], "secret plan", text]
 
 
@@ -205,12 +205,12 @@ async def test_client_gone_mid_stream_keeps_what_arrived(
         while b"part one" not in got:  # the first words, then the client goes away
             got += await r.content.readany()
     for _ in range(200):
-        stored = await engram.app[STORE].session_turns("leave")
+        stored = await engram.app[SERVICES].store.session_turns("leave")
         if len(stored) == 2:
             break
         await asyncio.sleep(0.02)
     await settle(engram)
-    stored = await engram.app[STORE].session_turns("leave")
+    stored = await engram.app[SERVICES].store.session_turns("leave")
     assert [t.content for t in stored] == ["go on", "part one "]
     assert stored[1].role == "assistant" and stored[1].incomplete
 
@@ -273,7 +273,7 @@ async def test_odd_but_accepted_requests_are_archived(
         await r.read()
     await settle(engram)
     sent = json.loads(raw)["messages"]
-    stored = await engram.app[STORE].session_turns("odd")
+    stored = await engram.app[SERVICES].store.session_turns("odd")
     assert len(stored) == len(sent) + 1, case  # every message and the reply
     for turn, msg in zip(stored, sent, strict=False):
         want = without_lone_surrogates(content_text(msg.get("content")))

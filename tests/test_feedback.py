@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import MEMORY, STORE
+from proxy.services import SERVICES
 from proxy.store.store import Store
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream
@@ -51,7 +51,7 @@ async def test_flag_queues_the_request(engram: Engram, http: aiohttp.ClientSessi
         http, engram, {"request_id": rid, "helpful": False, "note": "forgot Tromso"}
     )
     assert status == 200 and body == {"request_id": rid, "helpful": False, "queued": True}
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     (req,) = await rows(
         store, "SELECT user_id, session_id, query, memory_ids FROM requests WHERE id = ?", rid
     )
@@ -93,11 +93,11 @@ async def test_unknown_or_foreign_request_is_404(
     await settle(engram)
     status, _ = await feedback(http, engram, {"request_id": off, "helpful": False}, "alice")
     assert status == 404
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     assert await rows(store, "SELECT * FROM feedback") == []
     assert await rows(store, "SELECT * FROM consolidation_queue") == []
     # Engram's own flag: the owner's request queues, another user's does not exist.
-    fb = engram.app[MEMORY].feedback
+    fb = engram.app[SERVICES].memory.feedback
     assert fb is not None
     assert await fb.flag("bob", rid, "expired_slot") is False
     assert await fb.flag("alice", rid, "expired_slot") is True
@@ -132,7 +132,7 @@ async def test_bad_input_is_400_and_changes_nothing(
     assert err["param"] == param
     if param:
         assert param in err["message"]
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     assert await rows(store, "SELECT * FROM feedback") == []
     assert await rows(store, "SELECT * FROM consolidation_queue") == []
 
@@ -146,12 +146,12 @@ async def test_record_is_redacted_bounded_and_forgotten_with_its_session(
         first = await chat(http, e, f"my key is {secret}", **{"X-Engram-Session": "s1"})
         ids = [await chat(http, e, f"question {i}", **{"X-Engram-Session": "s2"}) for i in range(3)]
         await settle(e)
-        store = e.app[STORE]
+        store = e.app[SERVICES].store
         (query,) = (await rows(store, "SELECT query FROM requests WHERE id = ?", first))[0]
         assert secret not in query and "[REDACTED]" in query
         status, _ = await feedback(http, e, {"request_id": first, "helpful": False})
         assert status == 200
-        fb = e.app[MEMORY].feedback
+        fb = e.app[SERVICES].memory.feedback
         assert fb is not None
         assert await fb.prune() == 1  # the two newest of the user, and the flagged one, stay
         kept = {r[0] for r in await rows(store, "SELECT id FROM requests")}
@@ -178,5 +178,5 @@ async def test_read_only_request_stores_not_even_the_reply(
         http, engram, "probe 4417", **{"X-Engram-Session": "ro", "X-Engram-Memory": "read-only"}
     )
     await settle(engram)
-    turns = await engram.app[STORE].session_turns("ro")
+    turns = await engram.app[SERVICES].store.session_turns("ro")
     assert [t.content for t in turns] == ["first", "echo: first"]

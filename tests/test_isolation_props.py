@@ -25,7 +25,7 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.app import TASKS
+from proxy.services import SERVICES
 from tests.conftest import Engram, start_engram
 from tests.fake_upstream import FakeUpstream
 
@@ -104,7 +104,7 @@ class Harness:
         self.api_calls = 0
 
     async def settle(self) -> None:
-        tasks = self.engram.app[TASKS]
+        tasks = self.engram.app[SERVICES].tasks
         for _ in range(1000):
             if not len(tasks):
                 return

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from proxy.app import MEMORY, STORE
 from proxy.chat.fence import BLOCK_OPEN
+from proxy.services import SERVICES
 from proxy.store.models import Turn
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_chunks, template_violations
@@ -43,7 +43,7 @@ async def chat(
 
 
 async def all_turns(engram: Engram, user: str) -> list[Turn]:
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     out: list[Turn] = []
     for s in await store.list_sessions(user):
         out += await store.session_turns(s.id)
@@ -139,7 +139,7 @@ async def test_edited_message_forks_a_new_session(
     _, r3 = await chat(http, engram, edited, user="u")
     assert r3.headers["X-Engram-Session"] != r.headers["X-Engram-Session"]
     await settle(engram)
-    fork = await engram.app[STORE].session_turns(r3.headers["X-Engram-Session"])
+    fork = await engram.app[SERVICES].store.session_turns(r3.headers["X-Engram-Session"])
     assert next(t.content for t in fork) == "to Peru instead"  # only what differs is stored
 
 
@@ -203,7 +203,7 @@ async def test_memory_off_stores_nothing_and_forwards_bytes(
     await settle(engram)
     assert fake.chat_requests()[-1].body == raw
     assert await all_turns(engram, "o") == []
-    assert (await engram.app[STORE].stats()).turns == 0
+    assert (await engram.app[SERVICES].store.stats()).turns == 0
 
 
 async def test_read_only_and_write_only_modes(
@@ -254,7 +254,7 @@ async def test_secrets_are_redacted_before_storage(
     await settle(engram)
     stored = (await all_turns(engram, "r"))[0].content
     assert "abcdefghijklmnop" not in stored and "[REDACTED]" in stored
-    db = engram.app[STORE]
+    db = engram.app[SERVICES].store
     hits = await db.read(
         lambda c: c.execute(
             "SELECT count(*) FROM turns_fts WHERE turns_fts MATCH 'abcdefghijklmnopqrstuvwxyz0123'"
@@ -291,13 +291,13 @@ async def test_tool_calls_and_results_stored_with_ids(
 async def test_memory_failure_degrades_never_fails_the_request(
     engram: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    await engram.app[STORE].close()  # the database goes away under Engram
+    await engram.app[SERVICES].store.close()  # the database goes away under Engram
     body, _r = await chat(
         http, engram, [SYSTEM, {"role": "user", "content": "still there?"}], user="x"
     )
     assert body["choices"][0]["message"]["content"] == "echo: still there?"
     assert fake.chat_requests()[-1].json()["messages"][1]["content"] == "still there?"
-    assert engram.app[MEMORY] is not None
+    assert engram.app[SERVICES].memory is not None
 
 
 async def test_injected_block_is_never_archived(
@@ -317,7 +317,7 @@ async def test_injected_block_is_never_archived(
 async def test_token_counts_calibrated_from_upstream_usage(
     engram: Engram, http: aiohttp.ClientSession
 ) -> None:
-    tokens = engram.app[MEMORY].tokens
+    tokens = engram.app[SERVICES].memory.tokens
     assert tokens.ratio("m") is None
     await chat(http, engram, [SYSTEM, {"role": "user", "content": "count my tokens " * 40}])
     await settle(engram)
@@ -338,7 +338,7 @@ async def test_parallel_requests_in_one_named_session_lose_nothing(
 
     await asyncio.gather(*(one(i) for i in range(8)))
     await settle(engram)
-    turns = await engram.app[STORE].session_turns("shared")
+    turns = await engram.app[SERVICES].store.session_turns("shared")
     assert sorted(t.content for t in turns if t.role == "user") == sorted(
         f"parallel {i}" for i in range(8)
     )

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from proxy.app import STORE
 from proxy.chat.fence import BLOCK_OPEN
+from proxy.services import SERVICES
 from proxy.store.queries import turns_at
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_upstream import FakeUpstream
@@ -102,7 +102,7 @@ async def test_other_users_turns_never_come_as_neighbours(
     await chat(http, near, [SYSTEM, QUESTION], user="bob")
     assert ANSWER not in json.dumps(fake.chat_requests()[-1].json())
     # The read itself is bounded by user: alice's session at bob's name finds nothing.
-    store = near.app[STORE]
+    store = near.app[SERVICES].store
     (alice_session,) = await store.list_sessions("alice")
     places = [(alice_session.id, 2)]
     assert await store.read(lambda c: turns_at(c, "bob", places)) == {}

@@ -449,12 +449,12 @@ async def test_health_reports_upstream(engram: Engram, http: aiohttp.ClientSessi
 
 
 async def test_ollama_kind_and_context_discovery() -> None:
-    from proxy.app import UPSTREAM
+    from proxy.services import SERVICES
 
     async with FakeUpstream(flavor="ollama", n_ctx=8192) as fake:
         engram = await start_engram(fake.url)
         try:
-            up = engram.app[UPSTREAM]
+            up = engram.app[SERVICES].upstream
             assert up.info.kind == "ollama"
             assert await up.context_size("llama3") == 8192
         finally:

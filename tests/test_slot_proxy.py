@@ -16,7 +16,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from proxy.app import SLOTS
+from proxy.services import SERVICES
 from proxy.slots.refs import REFERENCE, slot_id
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_chunks, chat_completion, make_usage, template_violations
@@ -195,7 +195,9 @@ async def test_references_are_byte_identical_across_turns_and_restarts(
             assert (await chat(http, e2, {"model": "m", "messages": later}))[0] == 200
             assert json.dumps(forwarded(strict)["messages"][1:]) == json.dumps(turn2[1:])
             for out in outs:
-                assert await e2.app[SLOTS].get("alice", slot_id("read_file", out)) is not None
+                assert (
+                    await e2.app[SERVICES].slots.get("alice", slot_id("read_file", out)) is not None
+                )
             await settle(e2)
         finally:
             await e2.close()
@@ -380,7 +382,7 @@ async def test_an_expired_slot_gets_a_clear_answer(
         assert (await chat(http, e, {"model": "m", "messages": agent_chat([old])}))[0] == 200
         await asyncio.sleep(2.2)  # the slot's TTL passes
         sid = slot_id("read_file", old)
-        assert await e.app[SLOTS].get("alice", sid) is None
+        assert await e.app[SERVICES].slots.get("alice", sid) is None
         # The client compacted its history; the model still asks for the old reference.
         msgs = agent_chat([output("new")])
         if stream:
@@ -486,7 +488,7 @@ async def test_redis_killed_mid_test_falls_back_and_recovers(
 ) -> None:
     e = await start_engram(strict.url, slots={"redis_url": redis_server.url, "redis_retry": 0.2})
     try:
-        slots = e.app[SLOTS]
+        slots = e.app[SERVICES].slots
         a, b, c = output("a"), output("b"), output("c")
         assert (await chat(http, e, {"model": "m", "messages": agent_chat([a])}))[0] == 200
         assert slots.backend == "redis"
@@ -592,7 +594,7 @@ async def test_text_protocol_results_become_references_when_enabled(
         sid = slot_id("read_file", body)
         assert part.startswith(f"[read_file for 'mod.py'] Result:\n[TOOL_RESULT:{sid}]")
         assert body not in part
-        assert await e.app[SLOTS].get("alice", sid) is not None
+        assert await e.app[SERVICES].slots.get("alice", sid) is not None
         await settle(e)
     finally:
         await e.close()

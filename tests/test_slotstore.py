@@ -22,9 +22,9 @@ import pytest
 import pytest_asyncio
 from redis.asyncio import Redis
 
-from proxy.app import SLOTS
 from proxy.cli.main import main
 from proxy.config import SlotsSettings
+from proxy.services import SERVICES
 from proxy.slots.store import Slot, SlotStore, user_namespace
 from proxy.store.store import Store
 from tests.conftest import Engram, start_engram
@@ -457,7 +457,7 @@ async def test_slot_api_answers_the_owner_only(
 ) -> None:
     e = await start_engram(fake.url, slots={"redis_url": redis_server.url})
     try:
-        slots = e.app[SLOTS]
+        slots = e.app[SERVICES].slots
         await slots.put_many("alice", [slot("s1", "the output")])
         status, body = await api_get(http, e, "slots/s1", "alice")
         assert status == 200

@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import COUNTERS
 from proxy.cli.main import main
+from proxy.services import SERVICES
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion
 from tests.fake_upstream import FakeUpstream, JsonReply
@@ -108,7 +108,7 @@ async def test_stats_endpoint_cli_and_restart(
         other = await api(http, e, "GET", "stats", user="someone-else")
         assert other["tokens"] == tokens  # the server's figures; the counts are the user's
         assert (other["facts"], other["handbacks"], other["queue"]["done"]) == (0, 0, 0)
-        live = e.app[COUNTERS].current()
+        live = e.app[SERVICES].counters.current()
     finally:
         await e.close()  # the counters are saved at shutdown
 
@@ -131,7 +131,7 @@ async def test_stats_endpoint_cli_and_restart(
     # A restarted server goes on from the saved totals (and its budget with them).
     e = await start(fake, db)
     try:
-        assert e.app[COUNTERS].current() == live
+        assert e.app[SERVICES].counters.current() == live
         await chat(http, e, "one more")
         await settle(e)
         grown = (await api(http, e, "GET", "stats"))["tokens"]

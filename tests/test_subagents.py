@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import STORE
+from proxy.services import SERVICES
 from tests.conftest import Engram
 from tests.fake_upstream import FakeUpstream
 from tests.test_memory import settle
@@ -36,7 +36,7 @@ async def test_nesting_levels_and_limit(engram: Engram, http: aiohttp.ClientSess
     child = h["X-Engram-Session"]
     _, _, h = await chat(http, engram, "grandchild", **{"X-Engram-Parent": child})
     grandchild = h["X-Engram-Session"]
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     levels = [(await store.get_session(s)) for s in (top, child, grandchild)]
     assert [s.level for s in levels if s] == [0, 1, 2]
     assert levels[1] is not None and levels[1].agent == "researcher"
@@ -114,7 +114,7 @@ async def test_deleting_a_session_deletes_its_subagents(
         f"{engram.url}/engram/api/sessions/{top}", headers={"X-Engram-User": "u"}
     ) as r:
         assert r.status == 200
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     assert await store.get_session(kid) is None
     assert await store.session_turns(kid) == []
 
@@ -128,7 +128,7 @@ HANDBACK = (
 async def test_completed_subagent_hands_back_a_summary_not_its_history(
     fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    from proxy.app import MEMORY
+    from proxy.services import SERVICES
     from tests.conftest import start_engram
     from tests.fake_chunks import chat_completion
     from tests.fake_upstream import JsonReply
@@ -155,7 +155,7 @@ async def test_completed_subagent_hands_back_a_summary_not_its_history(
         await settle(e)
         call = fake.chat_requests()[-1].json()["messages"]
         assert call[0]["role"] == "system" and "sub-agent has finished" in call[0]["content"]
-        store = e.app[STORE]
+        store = e.app[SERVICES].store
         turns = await store.session_turns(top, from_position=-100)
         items = [t for t in turns if t.position < 0]
         assert len(items) == 1 and items[0].role == "summary"
@@ -171,7 +171,10 @@ async def test_completed_subagent_hands_back_a_summary_not_its_history(
         await chat(http, e, "what did triage find?")
         fwd = json.dumps(fake.chat_requests()[-1].json())
         assert "parser.py line 42" in fwd and "delete the repository" not in fwd
-        assert e.app[MEMORY].handback is not None and e.app[MEMORY].handback.made == 1
+        assert (
+            e.app[SERVICES].memory.handback is not None
+            and e.app[SERVICES].memory.handback.made == 1
+        )
         # Completing again does nothing more; a top-level session cannot be completed.
         async with http.post(
             f"{e.url}/engram/api/sessions/{kid}/complete", headers={"X-Engram-User": "u"}

@@ -8,9 +8,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import MEMORY, STORE
 from proxy.background.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, get_summary, render_turns
 from proxy.chat.prompt import SUMMARY_OPEN
+from proxy.services import SERVICES
 from proxy.store.models import Turn
 from proxy.tokens import TokenCounter
 from tests.conftest import Engram, settle, start_engram
@@ -42,7 +42,7 @@ async def post(
 
 async def summary_of(engram: Engram) -> Any:
     """The summary of the user's conversation, or None when none of its sessions has one."""
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     found = [
         await store.read(lambda c, sid=s.id: get_summary(c, sid))
         for s in await store.list_sessions("sum")
@@ -100,7 +100,7 @@ async def test_junk_failure_and_budget_leave_memory_alone(http: aiohttp.ClientSe
             await post(http, engram, other)
             await settle(engram)
             assert await summary_of(engram) is None  # upstream failure: nothing stored
-            summarizer = engram.app[MEMORY].summarizer
+            summarizer = engram.app[SERVICES].memory.summarizer
             assert summarizer is not None and summarizer.failed == 2
         finally:
             await engram.close()
@@ -111,7 +111,7 @@ async def test_junk_failure_and_budget_leave_memory_alone(http: aiohttp.ClientSe
             await settle(engram)
             # 5% of one request's tokens cannot pay for a summary: the summariser waits.
             assert len(fake.chat_requests()) == before + 1
-            summarizer = engram.app[MEMORY].summarizer
+            summarizer = engram.app[SERVICES].memory.summarizer
             assert summarizer is not None and summarizer.skipped_budget == 1
             assert summarizer.tokens_spent <= 0.05 * summarizer.tokens_proxied
         finally:

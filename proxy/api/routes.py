@@ -17,7 +17,7 @@ The user namespace comes from ``X-Engram-User``, else the ``user`` query paramet
 ``default``, cleaned as the chat pipeline cleans it. Another user's session or slot is a 404,
 exactly like a missing (or expired) one. Only loopback clients are answered, unless
 ``memory.admin_token`` is set and the client sends ``Authorization: Bearer <token>``. The JSON
-shaping and parameter checks here are shared with the ``engram`` command.
+shaping and parameter checks (:mod:`proxy.api.views`) are shared with the ``engram`` command.
 """
 
 from __future__ import annotations
@@ -29,21 +29,31 @@ import ipaddress
 import json
 import re
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
-from proxy.app import CONSOLIDATOR, COUNTERS, MEMORY, RETRIEVER, SETTINGS, SLOTS, STORE
-from proxy.background.feedback import MAX_NOTE_CHARS
+from proxy.api.views import (
+    clean_query,
+    clean_user,
+    hit_json,
+    iso,
+    owned_session,
+    parse_feedback,
+    parse_k,
+    parse_mode,
+    search,
+    session_json,
+    sessions_json,
+    slot_json,
+    turn_json,
+)
 from proxy.background.stats import memory_counts, token_figures
-from proxy.chat.identity import identify
-from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
+from proxy.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
 from proxy.jsonl import export_line
-from proxy.search.retrieval import MODES, Hit, Retriever
+from proxy.services import SERVICES, MemoryParts
 from proxy.slots.refs import SLOT_ID
-from proxy.slots.store import Slot, SlotStore
-from proxy.store.models import Session, Turn
+from proxy.slots.store import SlotStore
 from proxy.store.store import Store
 
 PREFIX = "/engram/api"
@@ -53,11 +63,6 @@ MAX_QUERY_CHARS = 4096
 _INT = re.compile(r"[+-]?\d{1,9}")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class ServiceUnavailable(EngramError):
-    status = 503
-    type = "server_error"
 
 
 # --- access -------------------------------------------------------------------------------------
@@ -88,8 +93,8 @@ def admin_allowed(remote: str | None, authorization: str | None, token: str) -> 
     return hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-def check_admin(request: web.Request) -> None:
-    token = request.app[SETTINGS].memory.admin_token
+def check_admin(request: web.Request, token: str) -> None:
+    """A 403 unless the client may use the admin API (``token``: ``memory.admin_token``)."""
     if not admin_allowed(request.remote, request.headers.get("Authorization"), token):
         hint = (
             "send Authorization: Bearer <memory.admin_token>"
@@ -101,164 +106,30 @@ def check_admin(request: web.Request) -> None:
         )
 
 
-# --- parameters ---------------------------------------------------------------------------------
-
-
-def clean_user(raw: str | None) -> str:
-    """A user namespace as the chat pipeline names it (``default`` when absent)."""
-    return identify({"X-Engram-User": raw} if raw else {}, {}).user
-
-
 def request_user(request: web.Request) -> str:
+    """The user namespace a request names (``X-Engram-User``, else ``?user=``)."""
     return clean_user(request.headers.get("X-Engram-User") or request.query.get("user"))
-
-
-def parse_k(raw: str | None) -> int:
-    if raw is None:
-        return DEFAULT_K
-    if not _INT.fullmatch(raw.strip()):
-        raise BadRequest(f"k must be an integer from 1 to {MAX_K}; got {raw!r}.", param="k")
-    k = int(raw)
-    if not 1 <= k <= MAX_K:
-        raise BadRequest(f"k must be from 1 to {MAX_K}; got {k}.", param="k")
-    return k
-
-
-def parse_mode(raw: str | None) -> str:
-    if raw is None:
-        return "hybrid"
-    if raw not in MODES:
-        raise BadRequest(f"mode must be one of {', '.join(MODES)}; got {raw!r}.", param="mode")
-    return raw
-
-
-def clean_query(raw: str | None) -> str:
-    """The search text: required, not blank; NULs and lone surrogates replaced, length capped."""
-    if raw is None:
-        raise BadRequest("q is required: the text to search for.", param="q")
-    if not raw.strip():
-        raise BadRequest("q must not be empty.", param="q")
-    text = raw.replace("\x00", " ").encode("utf-8", "replace").decode("utf-8")
-    return text[:MAX_QUERY_CHARS]
-
-
-# --- JSON shapes --------------------------------------------------------------------------------
-
-
-def iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def hit_json(hit: Hit) -> dict[str, Any]:
-    t = hit.turn
-    return {
-        "id": t.id,
-        "session": t.session_id,
-        "role": t.role,
-        "speaker": t.speaker,
-        "content": t.content,
-        "timestamp": t.timestamp,
-        "timestamp_iso": iso(t.timestamp),
-        "score": hit.score,
-        "ranks": {"fts": hit.ranks.get("fts"), "vec": hit.ranks.get("vec")},
-    }
-
-
-def session_json(s: Session, turns: int) -> dict[str, Any]:
-    return {
-        "id": s.id,
-        "user": s.user_id,
-        "parent": s.parent_id,
-        "level": s.level,
-        "agent": s.agent,
-        "indexed": s.indexed,
-        "turns": turns,
-        "created_at": s.created_at,
-        "created_at_iso": iso(s.created_at),
-        "last_seen": s.last_seen,
-        "last_seen_iso": iso(s.last_seen),
-    }
-
-
-def turn_json(t: Turn) -> dict[str, Any]:
-    return {
-        "id": t.id,
-        "position": t.position,
-        "role": t.role,
-        "speaker": t.speaker,
-        "content": t.content,
-        "tool_calls": t.tool_calls,
-        "tool_call_id": t.tool_call_id,
-        "timestamp": t.timestamp,
-        "timestamp_iso": iso(t.timestamp),
-        "incomplete": t.incomplete,
-    }
-
-
-def slot_json(slot: Slot, backend: str) -> dict[str, Any]:
-    return {
-        "id": slot.id,
-        "tool": slot.tool,
-        "description": slot.description,
-        "tokens": slot.tokens,
-        "content": slot.content,
-        "backend": backend,
-    }
-
-
-# --- operations shared with the CLI -------------------------------------------------------------
-
-
-async def owned_session(store: Store, user: str, session_id: str) -> Session:
-    """The user's session, or a 404 that does not tell whether another user has one."""
-    found = await store.get_session(session_id)
-    if found is None or found.user_id != user:
-        raise NotFound(f"No session {session_id!r} for user {user!r}.", code="session_not_found")
-    return found
-
-
-async def search(
-    store: Store,
-    retriever: Retriever,
-    user: str,
-    query: str,
-    *,
-    k: int = DEFAULT_K,
-    mode: str = "hybrid",
-    session: str | None = None,
-) -> list[Hit]:
-    if session is not None:
-        await owned_session(store, user, session)
-    if mode == "vec" and retriever.embedder is None:
-        raise ServiceUnavailable(
-            "Vector search is off: the embedding model did not load (see the log).",
-            code="vector_search_unavailable",
-        )
-    return await retriever.search(
-        user, query, k, mode=mode, session_ids=[session] if session is not None else None
-    )
-
-
-async def sessions_json(store: Store, user: str) -> list[dict[str, Any]]:
-    counts = await store.session_turn_counts(user)
-    return [session_json(s, counts.get(s.id, 0)) for s in await store.list_sessions(user)]
 
 
 # --- handlers -----------------------------------------------------------------------------------
 
 
-def _store(request: web.Request) -> Store:
-    store = request.app.get(STORE)
-    if store is None:
+def _parts(request: web.Request) -> MemoryParts:
+    parts = request.app[SERVICES].parts
+    if parts is None:
         raise ServiceUnavailable(
             "Memory is disabled (memory.enabled = false): the admin API has nothing to serve.",
             code="memory_disabled",
         )
-    return store
+    return parts
+
+
+def _store(request: web.Request) -> Store:
+    return _parts(request).store
 
 
 def _slots(request: web.Request) -> SlotStore:
-    slots = request.app.get(SLOTS)
+    slots = request.app[SERVICES].slots
     if slots is None:
         raise ServiceUnavailable(
             "Tool-result slots are disabled (slots.enabled = false, or memory.enabled = false).",
@@ -274,7 +145,8 @@ async def search_handler(request: web.Request) -> web.Response:
     k, mode = parse_k(q.get("k")), parse_mode(q.get("mode"))
     session = q.get("session") or None
     user = request_user(request)
-    hits = await search(store, request.app[RETRIEVER], user, query, k=k, mode=mode, session=session)
+    retriever = _parts(request).retriever
+    hits = await search(store, retriever, user, query, k=k, mode=mode, session=session)
     return web.json_response(
         {"user": user, "mode": mode, "k": k, "results": [hit_json(h) for h in hits]}
     )
@@ -301,7 +173,7 @@ async def last_request_handler(request: web.Request) -> web.Response:
     store = _store(request)
     user = request_user(request)
     session = await owned_session(store, user, request.match_info["id"])
-    found = request.app[MEMORY].last_requests.get(session.id)
+    found = _parts(request).memory.last_requests.get(session.id)
     if found is None:
         raise NotFound(
             f"No request of session {session.id!r} was forwarded since Engram started.",
@@ -346,7 +218,7 @@ async def complete_handler(request: web.Request) -> web.Response:
             "X-Engram-Parent) are completed.",
             code="not_a_subagent",
         )
-    handback = request.app[MEMORY].handback
+    handback = _parts(request).memory.handback
     assert handback is not None
     queued = handback.complete(session)
     return web.json_response(
@@ -405,39 +277,12 @@ async def json_object(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def parse_feedback(body: dict[str, Any]) -> tuple[str, bool, str | None]:
-    """(request id, helpful, note) from a feedback body; a 400 naming the field otherwise."""
-    request_id = body.get("request_id")
-    if not isinstance(request_id, str) or not request_id.strip() or len(request_id) > 200:
-        raise BadRequest(
-            "request_id is required: the X-Engram-Request-Id of a chat request (a string).",
-            param="request_id",
-            code="invalid_request_id",
-        )
-    helpful = body.get("helpful")
-    if not isinstance(helpful, bool):
-        raise BadRequest(
-            "helpful is required: false flags the request as badly served by memory, true "
-            "records that it was served well.",
-            param="helpful",
-            code="invalid_helpful",
-        )
-    note = body.get("note")
-    if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE_CHARS):
-        raise BadRequest(
-            f"note must be a string of at most {MAX_NOTE_CHARS} characters.",
-            param="note",
-            code="invalid_note",
-        )
-    return request_id.strip(), helpful, (note.strip() or None) if note is not None else None
-
-
 async def feedback_handler(request: web.Request) -> web.Response:
     """Feedback on a chat request; ``helpful: false`` queues it for consolidation."""
-    _store(request)
+    parts = _parts(request)
     user = request_user(request)
     request_id, helpful, note = parse_feedback(await json_object(request))
-    feedback = request.app[MEMORY].feedback
+    feedback = parts.memory.feedback
     assert feedback is not None
     result = await feedback.submit(user, request_id, helpful, note)
     return web.json_response(
@@ -447,9 +292,8 @@ async def feedback_handler(request: web.Request) -> web.Response:
 
 async def consolidate_handler(request: web.Request) -> web.Response:
     """Run a consolidation pass over the user's queued requests now (tests, operations)."""
-    _store(request)
+    consolidator = _parts(request).consolidator
     user = request_user(request)
-    consolidator = request.app[CONSOLIDATOR]
     report = await consolidator.run_pass(user)
     return web.json_response(
         {
@@ -463,11 +307,11 @@ async def consolidate_handler(request: web.Request) -> web.Response:
 
 async def stats_handler(request: web.Request) -> web.Response:
     """The user's hand-backs, facts, feedback and queue; the server's token figures."""
-    store = _store(request)
+    parts = _parts(request)
     user = request_user(request)
-    counts = await store.read(lambda c: memory_counts(c, user))
-    tokens = token_figures(request.app[COUNTERS].current(), request.app[SETTINGS])
-    slots = request.app.get(SLOTS)
+    counts = await parts.store.read(lambda c: memory_counts(c, user))
+    tokens = token_figures(parts.counters.current(), request.app[SERVICES].settings)
+    slots = parts.slots
     slot_figures = {"backend": slots.backend, **await slots.stats()} if slots else None
     return web.json_response({"user": user, "tokens": tokens, **counts, "slots": slot_figures})
 
@@ -495,7 +339,7 @@ async def slot_handler(request: web.Request) -> web.Response:
 def _guarded(handler: Handler) -> Handler:
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        check_admin(request)
+        check_admin(request, request.app[SERVICES].settings.memory.admin_token)
         return await handler(request)
 
     return wrapped

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from proxy.api import routes as api
+from proxy.api import views as api
 from proxy.background.stats import memory_counts, read_counters, token_figures
 from proxy.cli.doctor import database_path, run_doctor
 from proxy.cli.importer import ImportReport, import_records

@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 from proxy import bundled as llama_server
-from proxy.app import STORE
+from proxy.services import SERVICES
 from proxy.store.models import Turn
 from tests.conftest import Engram, start_engram
 
@@ -158,7 +158,7 @@ async def engram_real(llama: LlamaServer) -> AsyncIterator[Engram]:
 
 
 async def user_turns(engram: Engram, user: str) -> list[Turn]:
-    store = engram.app[STORE]
+    store = engram.app[SERVICES].store
     out: list[Turn] = []
     for session in await store.list_sessions(user):
         out += await store.session_turns(session.id)

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import CONSOLIDATOR, STORE
+from proxy.services import SERVICES
 from tests.conftest import Engram, settle, start_engram
 from tests.e2e.conftest import LlamaServer
 
@@ -38,7 +38,7 @@ async def rows(e: Engram) -> dict[str, int]:
             for t in ("sessions", "turns", "turns_fts", "turn_vec")
         }
 
-    return await e.app[STORE].read(count)
+    return await e.app[SERVICES].store.read(count)
 
 
 async def test_real_model_consolidation_stores_facts_or_nothing(llama: LlamaServer) -> None:
@@ -64,12 +64,12 @@ async def test_real_model_consolidation_stores_facts_or_nothing(llama: LlamaServ
             async with http.post(e.url + "/engram/api/consolidate", headers=HEADERS) as r:
                 assert r.status == 200
                 report = await r.json()
-            c = e.app[CONSOLIDATOR]
+            c = e.app[SERVICES].consolidator
             print(
                 f"\nreal-model consolidation: {report}; spent {c.tokens_spent} of "
                 f"{c.tokens_proxied} proxied"
             )
-            facts = await e.app[STORE].read(
+            facts = await e.app[SERVICES].store.read(
                 lambda c: c.execute(
                     "SELECT speaker, content FROM turns WHERE role = 'fact'"
                 ).fetchall()

@@ -17,8 +17,8 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.app import RETRIEVER, STORE
 from proxy.chat.fence import BLOCK_OPEN
+from proxy.services import SERVICES
 from tests.conftest import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer, user_turns, wait_idle
 
@@ -134,7 +134,7 @@ async def test_fact_from_one_conversation_is_injected_into_a_later_one(
         assert first.headers["X-Engram-Memories"] == "0"
         await settle(engram)
         # The fact is archived, and the retriever, asked directly, ranks it first.
-        hits = await engram.app[RETRIEVER].search("alice", question, 3)
+        hits = await engram.app[SERVICES].retriever.search("alice", question, 3)
         assert hits and hits[0].turn.content == fact and hits[0].turn.role == "user"
         later = await client.chat.completions.with_raw_response.create(
             model=MODEL, messages=ask(question), max_tokens=MAX_TOKENS, temperature=0
@@ -240,7 +240,7 @@ async def test_memory_off_reaches_llama_server_identically(
     assert direct[2]  # a real reply
     assert proxied == direct
     await settle(engram)
-    assert (await engram.app[STORE].stats()).turns == 0
+    assert (await engram.app[SERVICES].store.stats()).turns == 0
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])

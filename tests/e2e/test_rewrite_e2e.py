@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import MEMORY, STORE
 from proxy.background.summarizer import get_summary
 from proxy.chat.prompt import SUMMARY_OPEN
+from proxy.services import SERVICES
 from tests.conftest import settle, start_engram
 from tests.e2e.conftest import CTX, LlamaServer
 from tests.fake_chunks import template_violations
@@ -73,11 +73,11 @@ async def test_three_times_the_context_then_a_real_summary(llama: LlamaServer) -
         assert status == 200, reply
         assert reply["usage"]["prompt_tokens"] < CTX
         await settle(engram, timeout=240)
-        store = engram.app[STORE]
+        store = engram.app[SERVICES].store
         (session,) = await store.list_sessions("e2e-long")
         summary = await store.read(lambda c: get_summary(c, session.id))
         assert summary is not None and summary.upto > 10, "the real model made no summary"
-        summarizer = engram.app[MEMORY].summarizer
+        summarizer = engram.app[SERVICES].memory.summarizer
         assert summarizer is not None and summarizer.made >= 1
 
         nxt = [
@@ -89,7 +89,7 @@ async def test_three_times_the_context_then_a_real_summary(llama: LlamaServer) -
             engram.url, {**body, "messages": nxt}, **{"X-Engram-User": "e2e-long"}
         )
         assert status == 200, reply2
-        _, last = engram.app[MEMORY].last_requests[session.id]
+        _, last = engram.app[SERVICES].memory.last_requests[session.id]
         forwarded = json.dumps(last.messages)
         assert SUMMARY_OPEN in forwarded
         assert summary.content.splitlines()[0][:40] in json.loads(json.dumps(forwarded))

@@ -10,7 +10,7 @@ import json
 import aiohttp
 import pytest
 
-from proxy.app import PIPELINE, SLOTS
+from proxy.services import SERVICES
 from proxy.slots.refs import REFERENCE, slot_id
 from tests.conftest import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer
@@ -57,7 +57,7 @@ async def test_tool_outputs_larger_than_the_context_go_as_references(
     assert all(c["function"]["name"] == "get_weather" for c in calls)
     # The real server took the request with the expansion tool beside the client's (SmolLM2's
     # template does not render tool definitions, but llama-server parsed and accepted them).
-    expander = engram.app[PIPELINE].expander
+    expander = engram.app[SERVICES].pipeline.expander
     assert expander is not None and not expander.rejections.rejected("smollm2")
     await settle(engram)
     assert engram.turns[-1].expand
@@ -66,7 +66,7 @@ async def test_tool_outputs_larger_than_the_context_go_as_references(
     for out in outs:
         sid = slot_id("read_file", out)
         assert f"[TOOL_RESULT:{sid}]" in prompt
-        assert await engram.app[SLOTS].get("dev", sid) is not None
+        assert await engram.app[SERVICES].slots.get("dev", sid) is not None
     assert "Module 0 looks fine." in prompt
     assert "def alpha_7" not in prompt
     assert REFERENCE.search(prompt) and template_violations(msgs) == []

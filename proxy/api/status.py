@@ -1,0 +1,80 @@
+"""Engram's own status routes: ``GET /engram/health`` (its state, the upstream's) and
+``GET /engram/metrics`` (counters in Prometheus' text format)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from proxy import __version__
+from proxy.services import SERVICES
+
+
+async def health(request: web.Request) -> web.Response:
+    """Engram's own state and whether the upstream answers."""
+    services = request.app[SERVICES]
+    upstream = services.upstream
+    reachable, detail = await upstream.probe()
+    info = upstream.info
+    return web.json_response(
+        {
+            "status": "ok" if reachable else "degraded",
+            "version": __version__,
+            "uptime_s": round(time.time() - services.started, 1),
+            "upstream": {
+                "url": info.url,
+                "kind": info.kind,
+                "found_by": info.found_by,
+                "reachable": reachable,
+                "detail": detail,
+                "context_size": info.context_size,
+            },
+            "background_tasks": len(services.tasks),
+            # Where new tool-result slots go ("embedded" also while a configured Redis is down).
+            "slots": services.slots.backend if services.slots is not None else None,
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Counters in Prometheus' text format."""
+    services = request.app[SERVICES]
+    pipeline, tasks = services.pipeline, services.tasks
+    values: dict[str, float] = {
+        "engram_uptime_seconds": round(time.time() - services.started, 1),
+        "engram_background_tasks": len(tasks),
+        "engram_background_tasks_failed_total": tasks.failed,
+    }
+    for mode in ("on", "off", "read-only", "write-only"):
+        values[f'engram_chat_requests_total{{mode="{mode}"}}'] = pipeline.counts[f"chat_{mode}"]
+    for name in (
+        "client_disconnects",
+        "upstream_failures",
+        "memories_injected",
+        "memory_failures",
+        "archive_failures",
+    ):
+        values[f"engram_{name}_total"] = pipeline.counts[name]
+    memory = pipeline.memory
+    if memory is not None:
+        values["engram_turns_archived_total"] = memory.archived_turns
+        indexer = memory.indexer
+        values["engram_embed_failures_total"] = indexer.failures if indexer else 0
+        if services.counters is not None:
+            for name, value in services.counters.current().items():
+                values[f"engram_{name}_total"] = value
+        if services.consolidator is not None:
+            values["engram_facts_stored_total"] = services.consolidator.facts_stored
+    expander = pipeline.expander
+    if expander is not None:
+        for name in ("round_trips", "expanded", "expired"):
+            values[f"engram_expansion_{name}_total"] = expander.counts[name]
+        slots = expander.slots
+        if slots.settings.redis_url:
+            values["engram_slots_redis_up"] = float(slots.backend == "redis")
+        for backend, counts in slots.counters().items():
+            for name, value in counts.items():
+                values[f'engram_slots_{name}_total{{backend="{backend}"}}'] = value
+    text = "".join(f"{k} {v:g}\n" for k, v in values.items())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")

@@ -1,0 +1,269 @@
+"""Everything a running Engram holds, opened in order and closed in reverse, in one place.
+
+:func:`open_services` is an async context manager built on one ``AsyncExitStack``: each part is
+opened and its closing registered right away, so whatever was opened is closed however start-up
+or shutdown goes, and a part that fails to close is logged without stopping the rest. Shutdown
+order: the periodic loops stop, background tasks drain, the token counters are saved, then the
+slot store, embedder, database, upstream client and bundled model server close.
+
+The app keeps the result in one key, :data:`SERVICES`; nothing else is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy import bundled
+from proxy.background.consolidation import Consolidator
+from proxy.background.feedback import Feedback
+from proxy.background.handback import Handback
+from proxy.background.indexer import Indexer
+from proxy.background.stats import FLUSH_EVERY, Counters
+from proxy.background.summarizer import Summarizer
+from proxy.chat.memory import MemoryService
+from proxy.chat.pipeline import ChatPipeline
+from proxy.config import Settings
+from proxy.logs import event
+from proxy.paths import db_path
+from proxy.search.embedder import Embedder, from_settings
+from proxy.search.retrieval import Retriever
+from proxy.slots.store import SlotStore
+from proxy.store.store import Store
+from proxy.tasks import BackgroundTasks, every, stop
+from proxy.tokens import TokenCounter, load_encoder
+from proxy.upstream import Upstream, UpstreamInfo, detect
+
+log = logging.getLogger("engram.services")
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """What memory adds (``memory.enabled``); ``slots`` is None with ``slots.enabled = false``."""
+
+    memory: MemoryService
+    store: Store
+    retriever: Retriever
+    consolidator: Consolidator
+    counters: Counters
+    slots: SlotStore | None
+
+
+@dataclass(frozen=True)
+class Services:
+    """The parts of a running Engram; ``parts`` is None with ``memory.enabled = false``."""
+
+    settings: Settings
+    started: float
+    upstream: Upstream
+    tasks: BackgroundTasks
+    pipeline: ChatPipeline
+    parts: MemoryParts | None
+
+    @property
+    def memory(self) -> MemoryService | None:
+        return self.parts.memory if self.parts else None
+
+    @property
+    def store(self) -> Store | None:
+        return self.parts.store if self.parts else None
+
+    @property
+    def retriever(self) -> Retriever | None:
+        return self.parts.retriever if self.parts else None
+
+    @property
+    def consolidator(self) -> Consolidator | None:
+        return self.parts.consolidator if self.parts else None
+
+    @property
+    def counters(self) -> Counters | None:
+        return self.parts.counters if self.parts else None
+
+    @property
+    def slots(self) -> SlotStore | None:
+        return self.parts.slots if self.parts else None
+
+
+SERVICES = web.AppKey("services", Services)
+
+
+@asynccontextmanager
+async def open_services(
+    settings: Settings, upstream_info: UpstreamInfo | None = None
+) -> AsyncIterator[Services]:
+    """Open every part (``upstream_info`` skips upstream detection); close them on exit."""
+    started = time.time()
+    async with AsyncExitStack() as stack:
+
+        def closing(what: str, close: Callable[[], Awaitable[object]]) -> None:
+            stack.push_async_callback(_quietly, what, close)
+
+        info = upstream_info or await detect(settings.upstream)
+        if info.found_by == "fallback" and settings.upstream.bundled:
+            proc, info = await _start_bundled(info)
+            if proc is not None:
+                closing("stopping the bundled model server", lambda: bundled.stop_upstream(proc))
+        _announce(info)
+        upstream = Upstream(settings.upstream, info)
+        closing("closing the upstream client", upstream.close)
+        tasks = BackgroundTasks()
+        enabled = settings.memory.enabled
+        parts = await _open_memory(settings, tasks, upstream, closing) if enabled else None
+        # Registered after the memory parts, so it runs before they close.
+        closing("draining background tasks", lambda: tasks.drain(settings.server.shutdown_timeout))
+        pipeline = ChatPipeline(settings, upstream, tasks, parts.memory if parts else None)
+        services = Services(settings, started, upstream, tasks, pipeline, parts)
+        if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
+            size = await upstream.context_size()
+            event(
+                log,
+                logging.INFO,
+                "upstream context size",
+                context_size=size if size else "unknown (set upstream.context_size)",
+            )
+        for loop in _loops(services):
+            closing(f"stopping {loop.get_name()}", functools.partial(stop, loop))
+        yield services
+
+
+async def _quietly(what: str, close: Callable[[], Awaitable[object]]) -> None:
+    try:
+        await close()
+    except Exception:
+        log.exception("%s failed", what)
+
+
+def _loops(s: Services) -> list[asyncio.Task[None]]:
+    """The periodic background loops (each through :func:`proxy.tasks.every`)."""
+    loops: list[asyncio.Task[None]] = []
+    memory = s.memory
+    if memory is None:
+        return loops
+    handback = memory.handback
+    idle_every = handback.idle_check_interval() if handback is not None else None
+    if handback is not None and idle_every is not None:
+        loops.append(every(idle_every, handback.complete_idle, "completing idle sub-agents"))
+    interval = s.settings.consolidation.interval
+    if interval > 0 and s.consolidator is not None:
+        loops.append(every(interval, s.consolidator.scheduled_pass, "consolidation pass"))
+    if s.counters is not None:
+        loops.append(every(FLUSH_EVERY, s.counters.flush, "saving the token counters"))
+    return loops
+
+
+async def _open_memory(
+    settings: Settings,
+    tasks: BackgroundTasks,
+    upstream: Upstream,
+    closing: Callable[[str, Callable[[], Awaitable[object]]], None],
+) -> MemoryParts:
+    path = db_path(settings.memory.db_path)
+    store = Store(path)
+    await store.open()
+    closing("closing the database", store.close)
+    embedder = await _load_embedder(settings)
+    if embedder is not None:
+        closing("stopping the embedder", embedder.aclose)
+        if not await store.ensure_embedding_model(embedder.name):
+            event(
+                log,
+                logging.ERROR,
+                "the database holds vectors of another embedding model; "
+                "vector search is off until they are re-indexed",
+                db=str(path),
+                model=embedder.name,
+            )
+            embedder = None
+    retriever = Retriever(store, embedder, settings.retrieval)
+    tokens = TokenCounter(await asyncio.to_thread(load_encoder))
+    summarizer = Summarizer(settings, store, upstream, tokens)
+    feedback = Feedback(settings, store, tasks)
+    consolidator = Consolidator(settings, store, embedder, summarizer, feedback)
+    counters = Counters(store, summarizer, consolidator)
+    await counters.load()
+    slots = SlotStore(settings.slots, store) if settings.slots.enabled else None
+    if slots is not None:
+        await slots.start()
+        closing("closing the slot store", slots.close)
+    closing("saving the token counters", counters.flush)
+    indexer = Indexer(store, embedder, tasks)
+    memory = MemoryService(
+        settings,
+        store,
+        embedder,
+        retriever,
+        tasks,
+        tokens,
+        context_size=upstream.context_size,
+        summarizer=summarizer,
+        handback=Handback(settings, store, embedder, summarizer, tasks),
+        feedback=feedback,
+        slots=slots,
+        indexer=indexer,
+    )
+    # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
+    tasks.spawn(indexer.replay(), name="index-replay")
+    event(
+        log,
+        logging.INFO,
+        "memory open",
+        db=str(path),
+        embedder=embedder.name if embedder else "none (full-text search only)",
+    )
+    return MemoryParts(memory, store, retriever, consolidator, counters, slots)
+
+
+async def _load_embedder(settings: Settings) -> Embedder | None:
+    cfg = settings.embedder
+    try:
+        embedder = from_settings(cfg)
+        await embedder.load()
+        return embedder
+    except Exception as exc:  # memory degrades to full-text search; the proxy still runs
+        event(
+            log,
+            logging.ERROR,
+            "embedding model failed to load; vector search is off",
+            model=cfg.model,
+            error=str(exc),
+        )
+        return None
+
+
+async def _start_bundled(
+    info: UpstreamInfo,
+) -> tuple[asyncio.subprocess.Process | None, UpstreamInfo]:
+    event(
+        log,
+        logging.WARNING,
+        "no upstream found on 127.0.0.1:8080 (llama.cpp) or 127.0.0.1:11434 (Ollama): starting "
+        "the bundled tiny model (SmolLM2-135M on llama-server) so you can try Engram; it is far "
+        "too small for real work. The first start builds llama-server (about 5 minutes).",
+    )
+    try:
+        proc, url = await bundled.start_upstream()
+    except (bundled.SetupError, OSError) as exc:
+        event(log, logging.ERROR, "the bundled model could not start", error=str(exc))
+        return None, info
+    return proc, UpstreamInfo(url, "llamacpp", "bundled")
+
+
+def _announce(info: UpstreamInfo) -> None:
+    if info.found_by == "fallback":
+        event(
+            log,
+            logging.WARNING,
+            "no upstream found on 127.0.0.1:8080 (llama.cpp) or 127.0.0.1:11434 (Ollama); "
+            "chat requests get 502 until one runs there (or pass --upstream URL)",
+            upstream=info.url,
+        )
+    else:
+        event(log, logging.INFO, f"upstream {info.found_by}", upstream=info.url, kind=info.kind)
