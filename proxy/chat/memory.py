@@ -23,6 +23,7 @@ from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
 from proxy.background.summarizer import Summarizer
 from proxy.cache import LRU
+from proxy.chat.api import Conversation
 from proxy.chat.archive import Archive
 from proxy.chat.identity import Identity, identify, is_housekeeping
 from proxy.chat.prompt import Assembly
@@ -88,12 +89,12 @@ class MemoryService:
         return self.rewriter.last_requests
 
     async def before_forward(
-        self, headers: Mapping[str, str], body: dict[str, Any], mode: str
+        self, headers: Mapping[str, str], conv: Conversation, mode: str
     ) -> MemoryTurn:
         """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
         returns what it decided (``mt.forward``, when set, is the messages to forward)."""
-        messages: list[dict[str, Any]] = without_lone_surrogates(body["messages"])
-        ident = identify(headers, body)
+        messages: list[dict[str, Any]] = without_lone_surrogates(conv.messages)
+        ident = identify(headers, conv.hints or {})
         housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")
         recall = mode in ("on", "read-only")
@@ -102,7 +103,7 @@ class MemoryService:
         query = self.recall.query_vector(messages) if recall and not housekeeping else None
         try:
             return await self._before_forward(
-                ident, messages, body, housekeeping, write, recall, query
+                ident, messages, conv, housekeeping, write, recall, query
             )
         finally:
             if query is not None and not query.done():
@@ -112,14 +113,14 @@ class MemoryService:
         self,
         ident: Identity,
         messages: list[dict[str, Any]],
-        body: dict[str, Any],
+        conv: Conversation,
         housekeeping: bool,
         write: bool,
         recall: bool,
         query: asyncio.Task[Any] | None,
     ) -> MemoryTurn:
         mt = MemoryTurn(ident, messages, chain_hashes(messages), query_vector=query)
-        mt.model = body.get("model") if isinstance(body.get("model"), str) else None
+        mt.model = conv.model
         if housekeeping:
             mt.skipped = "housekeeping"
             return mt
@@ -138,7 +139,7 @@ class MemoryService:
             lambda c: place(c, req, write, now)
         )
         try:
-            await self.rewriter.compose(mt, body, recall=recall)
+            await self.rewriter.compose(mt, conv.reply_tokens, recall=recall)
         finally:
             # The archive rows are made while the upstream answers; the commit writes them.
             if write and mt.placement is not None:

@@ -1,19 +1,19 @@
-"""One chat turn: identify → place → retrieve → rewrite → forward → archive the turn.
+"""One chat turn: parse → memory stages (identify, place, recall, rewrite) → forward → archive.
 
-The body is an opaque dict: only ``messages`` (and ``tools`` when Engram adds its own) may change;
-every other field, unknown vendor fields and nulls included, reaches the upstream as sent. When
-nothing changed the client's exact bytes are forwarded. The reply is relayed as it arrives and
-reassembled on the side. When the upstream answered 200 the turn (the request's new messages and
-the reply) is archived durably once the reply is whole and before the client's last byte is sent
-(:meth:`ChatPipeline._commit`); when the client went away or the upstream died mid-stream, what
-arrived is archived in the background. What was assembled then goes to the reply hooks, in the
-background.
+The pipeline speaks to its chat API through an adapter (:mod:`proxy.chat.api`; OpenAI chat is
+:mod:`proxy.chat.openai_chat`). The body is opaque: only the messages (and ``tools`` when Engram
+adds its own) may change; every other field, unknown vendor fields and nulls included, reaches
+the upstream as sent. When nothing changed the client's exact bytes are forwarded. The reply is
+relayed as it arrives and reassembled on the side by the adapter's reader. When the upstream
+answered 200 the turn (the request's new messages and the reply) is archived durably once the
+reply is whole and before the client's last byte is sent (:meth:`ChatPipeline._commit`); when
+the client went away or the upstream died mid-stream, what arrived is archived in the
+background. What was assembled then goes to the reply hooks, in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections import Counter
@@ -22,14 +22,15 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.chat.api import ChatAPI
 from proxy.chat.memory import MemoryService
+from proxy.chat.openai_chat import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError
-from proxy.relay import encode_json, is_event_stream, read_body, relay
+from proxy.relay import is_event_stream, read_body, relay
 from proxy.slots.expand import can_add_tool
 from proxy.slots.loop import Expander, Outcome
-from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
 from proxy.tasks import BackgroundTasks
 from proxy.upstream import Upstream, forward_headers
 
@@ -55,60 +56,8 @@ def memory_mode(value: str | None) -> str:
     return mode
 
 
-def parse_chat_body(raw: bytes) -> dict[str, Any]:
-    """The body as a dict, or a 400 saying precisely what is wrong with it."""
-    if not raw.strip():
-        raise BadRequest(
-            "Request body is empty; expected a JSON object with `messages`.", code="invalid_json"
-        )
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest(
-            f"Request body must be a JSON object, not {_json_type(body)}.", code="invalid_body"
-        )
-    messages = body.get("messages")
-    if messages is None:
-        raise BadRequest("`messages` is required.", param="messages", code="missing_messages")
-    if not isinstance(messages, list):
-        raise BadRequest(
-            f"`messages` must be an array, not {_json_type(messages)}.",
-            param="messages",
-            code="invalid_messages",
-        )
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(
-                f"`messages[{i}]` must be an object, not {_json_type(msg)}.",
-                param=f"messages[{i}]",
-                code="invalid_messages",
-            )
-        if not isinstance(msg.get("role"), str):
-            raise BadRequest(
-                f"`messages[{i}].role` must be a string.",
-                param=f"messages[{i}].role",
-                code="invalid_messages",
-            )
-    return body
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }.get(type(value), type(value).__name__)
-
-
 class ChatPipeline:
-    """Handles POST /v1/chat/completions (and /chat/completions)."""
+    """Handles one chat API's requests (``api``; OpenAI chat completions by default)."""
 
     def __init__(
         self,
@@ -116,7 +65,9 @@ class ChatPipeline:
         upstream: Upstream,
         tasks: BackgroundTasks,
         memory: MemoryService | None = None,
+        api: ChatAPI | None = None,
     ) -> None:
+        self.api: ChatAPI = api or OpenAIChat()
         self.settings = settings
         self.upstream = upstream
         self.tasks = tasks
@@ -128,7 +79,7 @@ class ChatPipeline:
         self.keep_cors = bool(settings.server.cors_origins)
         self.expander = (
             Expander(settings.slots, memory.slots, upstream, self.keep_cors)
-            if memory is not None and memory.slots is not None
+            if memory is not None and memory.slots is not None and self.api.expansion
             else None
         )
 
@@ -140,18 +91,13 @@ class ChatPipeline:
             self.counts["chat_off"] += 1
             # Pure pass-through: nothing parsed, nothing stored, the client's bytes forwarded.
             return await self._forward_raw(request, raw, request_id)
-        body = parse_chat_body(raw)
-        turn = ChatTurn(
-            request_id=request_id,
-            mode=mode,
-            body=body,
-            raw=raw,
-            stream=body.get("stream") is True,
-        )
+        conv = self.api.parse(raw)
+        turn = ChatTurn(request_id=request_id, mode=mode, conv=conv, raw=raw, stream=conv.stream)
         turn.response_headers["X-Engram-Request-Id"] = request_id
         if self.memory is not None:
             await self._remember(request, turn)
-        payload = encode_json(turn.body) if turn.messages_changed else raw
+        forwarded = turn.forwarded
+        payload = self.api.encode(conv, forwarded) if forwarded is not None else raw
         return await self._forward(request, turn, payload)
 
     async def _forward_raw(
@@ -177,28 +123,11 @@ class ChatPipeline:
             request.method, request.raw_path, forward_headers(request.headers), payload
         )
         turn.status = up.status
-        sse = is_event_stream(up)
-        parser, assembler = SSEParser(), ChatAssembler()
-        plain: list[bytes] = []
-
-        def tap(chunk: bytes) -> bool:
-            """Reassemble the reply; True when this chunk ends the event stream."""
-            if not sse:
-                plain.append(chunk)
-                return False
-            was_done = assembler.done
-            for event in parser.feed(chunk):
-                assembler.add_event(event)
-            return assembler.done and not was_done
+        reader = self.api.reader(is_event_stream(up))
 
         async def finish() -> None:
             """The reply is whole: archive the turn before the client gets the last bytes."""
-            if sse:
-                for event in parser.close():
-                    assembler.add_event(event)
-                turn.reply = assembler.finish(ended_cleanly=True)
-            else:
-                turn.reply = _plain_reply(b"".join(plain), True)
+            turn.reply = reader.finish(ended_cleanly=True)
             await self._commit(turn)
 
         ended_cleanly = False
@@ -208,7 +137,7 @@ class ChatPipeline:
                 up,
                 keep_cors=self.keep_cors,
                 extra_headers=turn.response_headers,
-                tap=tap,
+                tap=reader.feed,
                 finish=finish if self._archives(turn) else None,
             )
             ended_cleanly = outcome.ended_cleanly
@@ -219,19 +148,14 @@ class ChatPipeline:
             turn.client_gone = True  # the client disconnected; what arrived is still archived
             raise
         finally:
-            if sse:
-                for event in parser.close():
-                    assembler.add_event(event)
-                turn.reply = assembler.finish(ended_cleanly=ended_cleanly)
-            else:
-                turn.reply = _plain_reply(b"".join(plain), ended_cleanly)
+            turn.reply = reader.finish(ended_cleanly=ended_cleanly)
             self._after_reply(turn)
 
     async def _remember(self, request: web.Request, turn: ChatTurn) -> None:
         """The memory stages before forwarding. A failure degrades memory, never the request."""
         assert self.memory is not None
         try:
-            mt = await self.memory.before_forward(request.headers, turn.body, turn.mode)
+            mt = await self.memory.before_forward(request.headers, turn.conv, turn.mode)
         except EngramError:
             raise  # the request itself is wrong (e.g. a sub-agent nested too deep): a 4xx
         except Exception:
@@ -250,11 +174,10 @@ class ChatPipeline:
             a = mt.assembly
             turn.response_headers["X-Engram-Prompt-Tokens"] = f"{a.tokens}/{a.original_tokens}"
         if mt.forward is not None:
-            turn.body = {**turn.body, "messages": mt.forward}
-            turn.messages_changed = True
+            turn.forwarded = mt.forward
         ex = self.expander
         if mt.slot_refs and ex is not None and ex.offered(mt.model):
-            turn.expand = can_add_tool(turn.body, ex.settings.expand_tool)
+            turn.expand = can_add_tool(turn.conv.body, ex.settings.expand_tool)
 
     async def _learn_tokens(self, turn: ChatTurn) -> None:
         """Calibrate token counts for this model from what the upstream reported."""
@@ -263,15 +186,14 @@ class ChatPipeline:
         if self.memory.summarizer is not None:
             self.memory.summarizer.account_reply(usage)
         reported = usage.get("prompt_tokens") if usage else None
-        messages = turn.body.get("messages")
-        if turn.status != 200 or not isinstance(reported, int) or not isinstance(messages, list):
+        messages = turn.forwarded if turn.forwarded is not None else turn.conv.messages
+        if turn.status != 200 or not isinstance(reported, int):
             return
         if turn.expansions:
             return  # usage is summed over round trips: no count of this prompt alone
         tokens = self.memory.tokens
         estimated = await asyncio.to_thread(tokens.messages, messages)
-        model = turn.body.get("model")
-        tokens.learn(model if isinstance(model, str) else None, estimated, reported)
+        tokens.learn(turn.conv.model, estimated, reported)
 
     async def _expand(
         self, request: web.Request, turn: ChatTurn, expander: Expander, mt: MemoryTurn
@@ -290,7 +212,10 @@ class ChatPipeline:
             await self._commit(turn)
 
         try:
-            await expander.run(request, turn.body, out, mt.identity.user, room, finish=finish)
+            body = turn.conv.body
+            if turn.forwarded is not None:
+                body = {**body, "messages": turn.forwarded}
+            await expander.run(request, body, out, mt.identity.user, room, finish=finish)
         except BaseException:
             settle()
             if turn.status is not None:  # the upstream answered: archive what came
@@ -352,13 +277,3 @@ class ChatPipeline:
         counts["memories_injected"] += len(turn.memory.injected) if turn.memory else 0
         for hook in self.reply_hooks:
             self.tasks.spawn(hook(turn), name=f"reply-hook:{turn.request_id}")
-
-
-def _plain_reply(data: bytes, ended_cleanly: bool) -> AssembledReply:
-    try:
-        obj = json.loads(data) if data else None
-    except (ValueError, UnicodeDecodeError):
-        obj = None
-    reply = reply_from_completion(obj)
-    reply.complete = reply.complete and ended_cleanly
-    return reply

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proxy.background.summarizer import Summarizer, get_summary
@@ -66,10 +66,10 @@ class Rewriter:
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: LRU[str, tuple[float, Assembly]] = LRU(LAST_REQUESTS)
 
-    async def compose(self, mt: MemoryTurn, body: Mapping[str, Any], recall: bool) -> None:
+    async def compose(self, mt: MemoryTurn, reply_tokens: int | None, recall: bool) -> None:
         """Recall memories for what the window does not hold, then assemble the prompt."""
         s = self.settings
-        budget = mt.budget = await self.budget(body, mt.model)
+        budget = mt.budget = await self.budget(reply_tokens, mt.model)
         sizes = await self.message_sizes(mt)
         model = mt.model
         view = mt.view = await self.slot_view(mt)
@@ -125,8 +125,9 @@ class Rewriter:
         if mt.placement is not None:
             self.last_requests[mt.placement.session.id] = (time.time(), final)
 
-    async def budget(self, body: Mapping[str, Any], model: str | None) -> int | None:
-        """Prompt tokens available: the context size minus the room kept for the reply."""
+    async def budget(self, reply_tokens: int | None, model: str | None) -> int | None:
+        """Prompt tokens available: the context size minus the room kept for the reply (what
+        the client asked for, else ``prompt.reply_reserve`` up to a quarter of the context)."""
         if self.context_size is None:
             return None
         try:
@@ -136,9 +137,7 @@ class Rewriter:
             return None
         if not ctx:
             return None
-        reserve = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve <= 0:
-            reserve = min(self.settings.prompt.reply_reserve, ctx // 4)
+        reserve = reply_tokens or min(self.settings.prompt.reply_reserve, ctx // 4)
         # Counts are estimates (another tokenizer, corrected on average): keep a safety share.
         return max(0, int((ctx - reserve) * (1 - PROMPT_SAFETY)) - PROMPT_MARGIN)
 

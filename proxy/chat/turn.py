@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.chat.api import Conversation
 from proxy.chat.identity import Identity
 from proxy.chat.prompt import Assembly
 from proxy.sse import AssembledReply
@@ -60,11 +61,11 @@ class ChatTurn:
 
     request_id: str
     mode: str  # the X-Engram-Memory mode
-    body: dict[str, Any]
-    raw: bytes
+    conv: Conversation  # the request, protocol-neutral
+    raw: bytes  # the client's bytes (forwarded as they are when nothing changed)
     started: float = field(default_factory=time.monotonic)
     stream: bool = False
-    messages_changed: bool = False
+    forwarded: list[dict[str, Any]] | None = None  # the messages forwarded, when changed
     response_headers: dict[str, str] = field(default_factory=dict)
     memory: MemoryTurn | None = None
     status: int | None = None

@@ -1,0 +1,70 @@
+"""The seam between a chat API's wire format and the protocol-neutral pipeline.
+
+The memory stages and the pipeline work on a :class:`Conversation`: the client's body kept as
+sent (opaque: it is forwarded unchanged except for its messages), and the messages in the one
+neutral shape every stage reads — OpenAI-chat-shaped dicts: ``role`` (``system`` / ``developer``
+text first, then ``user``, ``assistant``, ``tool``), ``content`` as a string or content parts,
+``tool_calls`` on assistant messages and ``tool_call_id`` on their results. A :class:`ChatAPI`
+adapter brings its API's request into that shape (:meth:`ChatAPI.parse`), puts rewritten
+messages back into its own shape (:meth:`ChatAPI.encode`), and reassembles the upstream's reply,
+streamed or whole, into an :class:`~proxy.sse.AssembledReply` (:meth:`ChatAPI.reader`), which
+knows when the reply has ended (so the turn is archived before the client's last byte).
+
+Adding a chat API is adding one adapter module (and its tests) and a route;
+:mod:`proxy.chat.openai_chat` is the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.sse import AssembledReply
+
+Message = dict[str, Any]
+
+
+@dataclass
+class Conversation:
+    """One chat request, protocol-neutral."""
+
+    body: dict[str, Any]  # the client's body, as its API shapes it (forwarded as sent)
+    messages: list[Message]  # the conversation in the neutral (OpenAI chat) shape
+    model: str | None = None
+    stream: bool = False
+    reply_tokens: int | None = None  # the room the client asked for the reply (max_tokens, …)
+    # Body fields that name the user or the session (``user``, ``safety_identifier``,
+    # ``metadata.session_id``), in OpenAI's shape, for :func:`proxy.chat.identity.identify`.
+    hints: Mapping[str, Any] | None = None
+
+
+class ReplyReader(Protocol):
+    """Reassembles one upstream reply from the chunks relayed to the client."""
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take a chunk; True when it holds the end of the reply (a stream's end marker)."""
+        ...
+
+    def finish(self, ended_cleanly: bool) -> AssembledReply:
+        """The reply so far (the upstream's body ended, cleanly or not). May be called again."""
+        ...
+
+
+class ChatAPI(Protocol):
+    """One chat API's wire format."""
+
+    name: str  # e.g. "openai-chat"
+    expansion: bool  # whether Engram may add its tool-result expansion tool (OpenAI tools)
+
+    def parse(self, raw: bytes) -> Conversation:
+        """The request, or :class:`proxy.errors.BadRequest` saying precisely what is wrong."""
+        ...
+
+    def encode(self, conv: Conversation, messages: list[Message]) -> bytes:
+        """The body to forward: the client's, with these (neutral) messages in its own shape."""
+        ...
+
+    def reader(self, event_stream: bool) -> ReplyReader:
+        """A reader for the upstream's reply (``text/event-stream`` or a whole body)."""
+        ...

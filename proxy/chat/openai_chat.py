@@ -1,0 +1,131 @@
+"""The OpenAI Chat Completions API (``POST /v1/chat/completions``): the first chat API adapter,
+and the identity one, since its messages are the neutral shape (:mod:`proxy.chat.api`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from proxy.chat.api import Conversation, Message
+from proxy.errors import BadRequest
+from proxy.relay import encode_json
+from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
+
+
+class OpenAIChat:
+    """Requests and replies of ``/v1/chat/completions``."""
+
+    name = "openai-chat"
+    expansion = True
+
+    def parse(self, raw: bytes) -> Conversation:
+        body = parse_chat_body(raw)
+        model = body.get("model")
+        reserve = body.get("max_completion_tokens") or body.get("max_tokens")
+        valid_reserve = isinstance(reserve, int) and not isinstance(reserve, bool) and reserve > 0
+        return Conversation(
+            body=body,
+            messages=body["messages"],
+            model=model if isinstance(model, str) else None,
+            stream=body.get("stream") is True,
+            reply_tokens=reserve if valid_reserve else None,
+            hints=body,
+        )
+
+    def encode(self, conv: Conversation, messages: list[Message]) -> bytes:
+        return encode_json({**conv.body, "messages": messages})
+
+    def reader(self, event_stream: bool) -> StreamReader | WholeReader:
+        return StreamReader() if event_stream else WholeReader()
+
+
+class StreamReader:
+    """``chat.completion.chunk`` events; the reply ends at ``data: [DONE]``."""
+
+    def __init__(self) -> None:
+        self.parser = SSEParser()
+        self.assembler = ChatAssembler()
+
+    def feed(self, chunk: bytes) -> bool:
+        was_done = self.assembler.done
+        for event in self.parser.feed(chunk):
+            self.assembler.add_event(event)
+        return self.assembler.done and not was_done
+
+    def finish(self, ended_cleanly: bool) -> AssembledReply:
+        for event in self.parser.close():
+            self.assembler.add_event(event)
+        return self.assembler.finish(ended_cleanly=ended_cleanly)
+
+
+class WholeReader:
+    """A whole ``chat.completion`` body (or an error body)."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> bool:
+        self.chunks.append(chunk)
+        return False
+
+    def finish(self, ended_cleanly: bool) -> AssembledReply:
+        data = b"".join(self.chunks)
+        try:
+            obj = json.loads(data) if data else None
+        except (ValueError, UnicodeDecodeError):
+            obj = None
+        reply = reply_from_completion(obj)
+        reply.complete = reply.complete and ended_cleanly
+        return reply
+
+
+def parse_chat_body(raw: bytes) -> dict[str, Any]:
+    """The body as a dict, or a 400 saying precisely what is wrong with it."""
+    if not raw.strip():
+        raise BadRequest(
+            "Request body is empty; expected a JSON object with `messages`.", code="invalid_json"
+        )
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest(
+            f"Request body must be a JSON object, not {_json_type(body)}.", code="invalid_body"
+        )
+    messages = body.get("messages")
+    if messages is None:
+        raise BadRequest("`messages` is required.", param="messages", code="missing_messages")
+    if not isinstance(messages, list):
+        raise BadRequest(
+            f"`messages` must be an array, not {_json_type(messages)}.",
+            param="messages",
+            code="invalid_messages",
+        )
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(
+                f"`messages[{i}]` must be an object, not {_json_type(msg)}.",
+                param=f"messages[{i}]",
+                code="invalid_messages",
+            )
+        if not isinstance(msg.get("role"), str):
+            raise BadRequest(
+                f"`messages[{i}].role` must be a string.",
+                param=f"messages[{i}].role",
+                code="invalid_messages",
+            )
+    return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
