@@ -23,7 +23,7 @@ back-to-back clients still split a conversation (issue 10).
     ``X-Engram-User``; then counted in the database once Engram is idle: sessions per
     conversation, messages stored more than once, messages missing, order. Then one client
     without a header, 4 turns back to back: the distinct session ids in the reply headers.
-    Engram runs as ``python -m proxy serve`` (``--in-process``: ``tests.conftest.start_engram``,
+    Engram runs as ``python -m proxy serve`` (``--in-process``: ``testing.harness.start_engram``,
     the tests' way), with the hash embedder (``--embedder model``: the configured MiniLM, whose
     slower archiving widened the old code's race).
 
@@ -66,7 +66,7 @@ from proxy.store.db import connect
 if str(ROOT) not in sys.path:  # tests.* (the fake upstream, an in-process Engram); appended, so
     sys.path.append(str(ROOT))  # that the tree PYTHONPATH names (older code) keeps its own tests
 
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
 
 CODE_ROOT = Path(proxy.__file__).resolve().parent.parent  # the tree whose code is measured
 COMMIT_TARGET_MS = 1.0  # "well under a millisecond"
@@ -373,7 +373,7 @@ async def start_serve(upstream: str, tmp: Path, name: str, model: bool = False) 
 
 async def start_in_process(upstream: str, model: bool = False) -> Running:
     from proxy.embedder import DEFAULT_MODEL
-    from tests.conftest import settle, start_engram
+    from testing.harness import settle, start_engram
 
     engram = await start_engram(upstream, embedder={"model": DEFAULT_MODEL if model else "hash"})
 
@@ -569,7 +569,7 @@ async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
     """The same pairs through an in-process Engram (hash embedder), its archive steps timed."""
     import proxy.memory
     import proxy.pipeline
-    from tests.conftest import start_engram
+    from testing.harness import start_engram
 
     probe = _Probe()
     undo = [

@@ -2,7 +2,7 @@
 
     python scripts/bench_proxy.py [--requests N | --quick] [--json results.json]
 
-The fake upstream (``python -m tests.fake_upstream``) and Engram (``python -m proxy serve``)
+The fake upstream (``python -m testing.fake_upstream``) and Engram (``python -m proxy serve``)
 each run in their own process; this process is the load generator (one pooled aiohttp
 ClientSession with keep-alive). Requests are ``POST /v1/chat/completions`` with
 ``X-Engram-Memory: off``, so this measures the proxy's memory-off path. Concurrency-1 figures
@@ -69,7 +69,7 @@ def _tail(log: IO[bytes]) -> str:
 
 async def start_fake(log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.fake_upstream", "--host", "127.0.0.1", "--port", "0",
+        sys.executable, "-m", "testing.fake_upstream", "--host", "127.0.0.1", "--port", "0",
         cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log,
     )  # fmt: skip
     assert proc.stdout is not None

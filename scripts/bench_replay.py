@@ -324,8 +324,8 @@ async def run_config(
 
     from proxy.app import MEMORY, PIPELINE, RETRIEVER, TASKS
     from proxy.store.models import Turn
-    from tests.conftest import start_engram
-    from tests.fake_upstream import FakeUpstream, JsonReply, chat_completion
+    from testing.fake_upstream import FakeUpstream, JsonReply, chat_completion
+    from testing.harness import start_engram
 
     sections: dict[str, dict[str, Any]] = {
         "summary": {"enabled": False},
@@ -604,7 +604,7 @@ def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    if str(ROOT) not in sys.path:  # tests.conftest and tests.fake_upstream drive the run
+    if str(ROOT) not in sys.path:  # testing.harness and testing.fake_upstream drive the run
         sys.path.insert(0, str(ROOT))
     convs, evlog = load(args.data, args.conversations, args.speaker_names)
     overrides = parse_sets(args.set)

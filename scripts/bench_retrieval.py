@@ -267,7 +267,7 @@ async def chat_latency(
     with log_path.open("wb") as log:
         try:
             fake = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "tests.fake_upstream", "--host", "127.0.0.1", "--port", "0",
+                sys.executable, "-m", "testing.fake_upstream", "--host", "127.0.0.1", "--port", "0",
                 cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=log,
             )  # fmt: skip
             procs.append(fake)

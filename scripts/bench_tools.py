@@ -18,9 +18,9 @@ sizes; searches are grep lines (``path:line:text``) over real files. The big one
 1,100 to 7,600 cl100k tokens (log-spaced, shuffled); a few exchanges have only small outputs
 (under 500 tokens: ``git status``, a short grep, ...) and four have no tool call.
 
-**Forwarded tokens.** The trace is replayed through an in-process Engram (``tests.conftest.
+**Forwarded tokens.** The trace is replayed through an in-process Engram (``testing.harness.
 start_engram``: hash embedder, temporary database, memory on, summariser off so that the fake
-only sees the chat requests) in front of ``tests.fake_upstream.FakeUpstream`` with strict
+only sees the chat requests) in front of ``testing.fake_upstream.FakeUpstream`` with strict
 chat-template checks, once per (context size, slots on/off): ``n_ctx`` 131,072 (everything fits,
 so the difference is the slots) and 32,768 (Engram's windowing also trims). The fake's replies
 carry no ``usage``, so Engram budgets with its uncalibrated token factor. A request's tokens are
@@ -77,10 +77,10 @@ from proxy.slots import references, slot_id  # noqa: E402
 from proxy.slotstore import Slot, SlotStore  # noqa: E402
 from proxy.store.store import Store  # noqa: E402
 from proxy.tokens import TokenCounter, load_encoder  # noqa: E402
-from tests.conftest import Engram, settle, start_engram  # noqa: E402
-from tests.fake_chunks import chat_chunks, chat_completion  # noqa: E402
-from tests.fake_upstream import FakeUpstream, JsonReply, Reply, StreamReply  # noqa: E402
-from tests.redis_server import RedisServer, find_redis_server  # noqa: E402
+from testing.fake_chunks import chat_chunks, chat_completion  # noqa: E402
+from testing.fake_upstream import FakeUpstream, JsonReply, Reply, StreamReply  # noqa: E402
+from testing.harness import Engram, settle, start_engram  # noqa: E402
+from testing.redis_server import RedisServer, find_redis_server  # noqa: E402
 
 Count = Callable[[str], int]
 Message = dict[str, Any]

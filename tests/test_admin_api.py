@@ -18,8 +18,8 @@ from proxy.config import load_settings
 from proxy.errors import Forbidden
 from proxy.importer import ImportReport, import_records
 from proxy.store.db import Connection
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, settle, start_engram
 
 API = "/engram/api"
 REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-int8"}

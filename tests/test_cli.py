@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from proxy.cli import main
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
 
 LINES = [
     '{"user": "alice", "session": "a1", "role": "user", "speaker": "Alice", '

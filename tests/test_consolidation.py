@@ -10,9 +10,9 @@ import pytest
 
 from proxy.app import CONSOLIDATOR, STORE
 from proxy.facts import INSTRUCTIONS, Fact, parse_facts
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_chunks import chat_completion
-from tests.fake_upstream import FakeUpstream, JsonReply
+from testing.fake_chunks import chat_completion
+from testing.fake_upstream import FakeUpstream, JsonReply
+from testing.harness import Engram, settle, start_engram
 
 SISTER = "My sister Ilse moved to Tromso in March 2023, she works at the aquarium there."
 FACT = '{"subject": "Ilse", "fact": "the user\'s sister Ilse lives in Tromso", "time": "2023-03"}'

@@ -42,7 +42,7 @@ import pytest
 import pytest_asyncio
 
 from proxy.store.db import Connection, connect
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("ENGRAM_CRASH_SEED", "20261130"))

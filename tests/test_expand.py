@@ -16,7 +16,7 @@ from proxy.expand import (
     with_tool,
 )
 from proxy.slotstore import Slot
-from tests.fake_chunks import chat_chunks, chat_completion
+from testing.fake_chunks import chat_chunks, chat_completion
 
 TOOL = "engram_expand"
 

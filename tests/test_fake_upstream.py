@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tests.fake_upstream import (
+from testing.fake_upstream import (
     FakeUpstream,
     JsonReply,
     StreamReply,

@@ -21,9 +21,9 @@ from proxy.app import STORE
 from proxy.identity import canonical, chain_hashes, content_text, without_lone_surrogates
 from proxy.memory import to_new_turns
 from proxy.store.models import Turn
-from tests.conftest import Engram, settle
-from tests.fake_chunks import chat_chunks, chat_completion
-from tests.fake_upstream import FakeUpstream, JsonReply, RawReply, StreamReply
+from testing.fake_chunks import chat_chunks, chat_completion
+from testing.fake_upstream import FakeUpstream, JsonReply, RawReply, StreamReply
+from testing.harness import Engram, settle
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 

@@ -9,8 +9,8 @@ import pytest
 
 from proxy.app import MEMORY, STORE
 from proxy.store.store import Store
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.app import TASKS
-from tests.conftest import Engram, start_engram
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, start_engram
 
 MARKER = re.compile(r"zq\d+x\d+zq")
 EXAMPLES = 100

@@ -13,9 +13,9 @@ import pytest_asyncio
 from proxy.app import MEMORY, STORE
 from proxy.inject import BLOCK_OPEN
 from proxy.store.models import Turn
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_chunks import chat_chunks, template_violations
-from tests.fake_upstream import FakeUpstream, StreamReply
+from testing.fake_chunks import chat_chunks, template_violations
+from testing.fake_upstream import FakeUpstream, StreamReply
+from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 

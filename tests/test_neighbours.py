@@ -13,8 +13,8 @@ import pytest_asyncio
 from proxy.app import STORE
 from proxy.inject import BLOCK_OPEN
 from proxy.memory import _turns_at
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, settle, start_engram
 from tests.test_memory import SYSTEM, chat, forwarded_system
 
 pytestmark = pytest.mark.asyncio

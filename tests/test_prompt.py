@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from proxy.identity import content_text
 from proxy.prompt import SUMMARY_OPEN, assemble
-from tests.fake_chunks import template_violations
+from testing.fake_chunks import template_violations
 
 Message = dict[str, Any]
 

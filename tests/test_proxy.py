@@ -13,9 +13,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import Engram, start_engram
-from tests.fake_chunks import chat_chunks, chat_completion, llamacpp_error, openai_error, sse
-from tests.fake_upstream import FakeUpstream, JsonReply, RawReply, StreamReply
+from testing.fake_chunks import chat_chunks, chat_completion, llamacpp_error, openai_error, sse
+from testing.fake_upstream import FakeUpstream, JsonReply, RawReply, StreamReply
+from testing.harness import Engram, start_engram
 
 pytestmark = pytest.mark.asyncio
 

@@ -10,9 +10,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_chunks import template_violations
-from tests.fake_upstream import FakeUpstream
+from testing.fake_chunks import template_violations
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 

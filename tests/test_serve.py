@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 
 from proxy.store.store import Store
-from tests.fake_chunks import chat_chunks
-from tests.fake_upstream import FakeUpstream, StreamReply
+from testing.fake_chunks import chat_chunks
+from testing.fake_upstream import FakeUpstream, StreamReply
 
 pytestmark = pytest.mark.asyncio
 

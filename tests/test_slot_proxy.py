@@ -18,10 +18,10 @@ import pytest_asyncio
 
 from proxy.app import SLOTS
 from proxy.slots import REFERENCE, slot_id
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_chunks import chat_chunks, chat_completion, make_usage, template_violations
-from tests.fake_upstream import FakeUpstream, JsonReply, StreamReply
-from tests.redis_server import RedisServer
+from testing.fake_chunks import chat_chunks, chat_completion, make_usage, template_violations
+from testing.fake_upstream import FakeUpstream, JsonReply, StreamReply
+from testing.harness import Engram, settle, start_engram
+from testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.asyncio
 

@@ -27,9 +27,9 @@ from proxy.cli import main
 from proxy.config import SlotsSettings
 from proxy.slotstore import Slot, SlotStore, user_namespace
 from proxy.store.store import Store
-from tests.conftest import Engram, start_engram
-from tests.fake_upstream import FakeUpstream
-from tests.redis_server import RedisServer, free_port
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, start_engram
+from testing.redis_server import RedisServer, free_port
 
 PREFIX = "engram:slot"
 

@@ -13,9 +13,9 @@ import pytest
 
 from proxy.app import COUNTERS
 from proxy.cli import main
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_chunks import chat_completion
-from tests.fake_upstream import FakeUpstream, JsonReply
+from testing.fake_chunks import chat_completion
+from testing.fake_upstream import FakeUpstream, JsonReply
+from testing.harness import Engram, settle, start_engram
 from tests.test_subagents import HANDBACK
 
 FILLER = "Let us talk about the weather and nothing in particular. " * 150

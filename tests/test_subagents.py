@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from proxy.app import STORE
-from tests.conftest import Engram
-from tests.fake_upstream import FakeUpstream
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram
 from tests.test_memory import settle
 
 pytestmark = pytest.mark.asyncio
@@ -129,9 +129,9 @@ async def test_completed_subagent_hands_back_a_summary_not_its_history(
     fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     from proxy.app import MEMORY
-    from tests.conftest import start_engram
-    from tests.fake_chunks import chat_completion
-    from tests.fake_upstream import JsonReply
+    from testing.fake_chunks import chat_completion
+    from testing.fake_upstream import JsonReply
+    from testing.harness import start_engram
 
     e = await start_engram(fake.url, summary={"budget_share": 1.0, "max_tokens": 64})
     try:

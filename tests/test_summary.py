@@ -13,9 +13,9 @@ from proxy.prompt import SUMMARY_OPEN
 from proxy.store.models import Turn
 from proxy.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, get_summary, render_turns
 from proxy.tokens import TokenCounter
-from tests.conftest import Engram, settle, start_engram
-from tests.fake_chunks import chat_completion, template_violations
-from tests.fake_upstream import FakeUpstream, JsonReply
+from testing.fake_chunks import chat_completion, template_violations
+from testing.fake_upstream import FakeUpstream, JsonReply
+from testing.harness import Engram, settle, start_engram
 from tests.test_config import ROOT
 from tests.test_rewrite import long_chat
 

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.app import RETRIEVER, STORE
 from proxy.inject import BLOCK_OPEN
-from tests.conftest import Engram, settle
+from testing.harness import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer, user_turns, wait_idle
 
 pytestmark = pytest.mark.asyncio

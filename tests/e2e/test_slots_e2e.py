@@ -12,9 +12,9 @@ import pytest
 
 from proxy.app import PIPELINE, SLOTS
 from proxy.slots import REFERENCE, slot_id
-from tests.conftest import Engram, settle
+from testing.fake_chunks import template_violations
+from testing.harness import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer
-from tests.fake_chunks import template_violations
 from tests.test_slot_proxy import agent_chat
 
 pytestmark = pytest.mark.asyncio

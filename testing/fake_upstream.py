@@ -11,7 +11,7 @@ llama-server (``flavor="llamacpp"``) or Ollama (``flavor="ollama"``) and records
 Enqueued replies are one-shot and consumed first-in first-out per path; with the queue empty
 each route answers deterministically (chat replies echo the last user message).
 
-Standalone, for benchmarks: ``python -m tests.fake_upstream --port 8081 [--flavor ollama]``.
+Standalone, for benchmarks: ``python -m testing.fake_upstream --port 8081 [--flavor ollama]``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.fake_chunks import (
+from testing.fake_chunks import (
     chat_chunks,
     chat_completion,
     completion_chunks,
