@@ -61,7 +61,7 @@ typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 bench: $(DEV_STAMP)
-	$(BIN)/python scripts/bench_proxy.py $(ARGS)
+	$(BIN)/python -m bench.proxy $(ARGS)
 
 ## Regenerate config/engram.toml from the settings model
 config: $(STAMP)

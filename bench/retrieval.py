@@ -1,6 +1,6 @@
 """Retrieval latency, ingest speed and the cost of memory on a chat request, at scale.
 
-    .venv/bin/python scripts/bench_retrieval.py [--quick] [--json out.json]
+    .venv/bin/python -m bench.retrieval [--quick] [--json out.json]
 
 (a) One hybrid search through :meth:`proxy.retrieval.Retriever.search` (the chat pipeline's
     call: query embedding with the real MiniLM included, k = ``[retrieval] top_k``), p50/p95
@@ -14,7 +14,7 @@
     10k stored turns of the user, versus the same with ``X-Engram-Memory: off``.
 
 The archive is synthesised from LoCoMo's turns (cycled, each later cycle joined to words of
-another turn so every text differs; see ``bench_common.synthetic_records``). Its embeddings are
+another turn so every text differs; see ``bench.common.synthetic_records``). Its embeddings are
 computed once and cached in ``--cache-dir`` (the first full run spends about 10 minutes on a
 2-core machine in the model; later runs seconds). LoCoMo is read in place, never copied.
 """
@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from bench_common import (
+
+from bench.common import (
     DEFAULT_CACHE,
     DEFAULT_LOCOMO,
     ROOT,
@@ -49,7 +50,6 @@ from bench_common import (
     pct,
     synthetic_records,
 )
-
 from proxy.config import RetrievalSettings
 from proxy.embedder import DEFAULT_MODEL, FastEmbedEmbedder
 from proxy.fts_query import match_of, query_words

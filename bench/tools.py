@@ -1,6 +1,6 @@
 """Tool-result slots: what Engram forwards in a coding-agent session, and what slots cost.
 
-    .venv/bin/python scripts/bench_tools.py [--runs N] [--ops N] [--seed S] [--json out.json]
+    .venv/bin/python -m bench.tools [--runs N] [--ops N] [--seed S] [--json out.json]
         [--per-request] [--skip-latency] [--skip-store]
 
 **The trace.** A deterministic (``--seed``) coding-agent session of 30 exchanges. An exchange is
@@ -64,23 +64,20 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from bench_common import machine, machine_lines, pct
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # tests.* drive the run (fake upstream, in-process Engram)
-    sys.path.insert(0, str(ROOT))
+from bench.common import machine, machine_lines, pct
+from proxy.app import MEMORY
+from proxy.config import SlotsSettings
+from proxy.slots import references, slot_id
+from proxy.slotstore import Slot, SlotStore
+from proxy.store.store import Store
+from proxy.tokens import TokenCounter, load_encoder
+from testing.fake_chunks import chat_chunks, chat_completion
+from testing.fake_upstream import FakeUpstream, JsonReply, Reply, StreamReply
+from testing.harness import Engram, settle, start_engram
+from testing.redis_server import RedisServer, find_redis_server
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from proxy.app import MEMORY  # noqa: E402
-from proxy.config import SlotsSettings  # noqa: E402
-from proxy.slots import references, slot_id  # noqa: E402
-from proxy.slotstore import Slot, SlotStore  # noqa: E402
-from proxy.store.store import Store  # noqa: E402
-from proxy.tokens import TokenCounter, load_encoder  # noqa: E402
-from testing.fake_chunks import chat_chunks, chat_completion  # noqa: E402
-from testing.fake_upstream import FakeUpstream, JsonReply, Reply, StreamReply  # noqa: E402
-from testing.harness import Engram, settle, start_engram  # noqa: E402
-from testing.redis_server import RedisServer, find_redis_server  # noqa: E402
 
 Count = Callable[[str], int]
 Message = dict[str, Any]

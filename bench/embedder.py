@@ -1,6 +1,6 @@
 """Time the embedder: model load, one query, and passages in batches.
 
-.venv/bin/python scripts/bench_embedder.py [--model NAME_OR_DIR] [--threads N]
+.venv/bin/python -m bench.embedder [--model NAME_OR_DIR] [--threads N]
 """
 
 from __future__ import annotations

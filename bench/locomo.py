@@ -1,6 +1,6 @@
 """Retrieval quality on LoCoMo, through Engram's own import, store and Retriever.
 
-    .venv/bin/python scripts/bench_locomo.py [--limit-conversations N] [--json out.json]
+    .venv/bin/python -m bench.locomo [--limit-conversations N] [--json out.json]
         [--config K,N,FTS_W,VEC_W ...]
 
 Each of the 10 conversations becomes one user namespace in a fresh temporary database (one
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_common import (
+from bench.common import (
     CATEGORIES,
     DEFAULT_CACHE,
     DEFAULT_LOCOMO,
@@ -49,7 +49,6 @@ from bench_common import (
     machine,
     machine_lines,
 )
-
 from proxy.config import RetrievalSettings
 from proxy.embedder import create_embedder
 from proxy.retrieval import Retriever

@@ -9,7 +9,7 @@ pessimistic case for FTS: common words match most rows) unless --texts names a f
 one per line, cycled to the size; --query-texts then gives the queries (line i goes with query
 vector i).
 
-    .venv/bin/python scripts/bench_store.py --sizes 10000 100000
+    .venv/bin/python -m bench.store --sizes 10000 100000
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Archiving a turn before the client's last byte: what the commit costs, and whether
 back-to-back clients still split a conversation (issue 10).
 
-    .venv/bin/python scripts/bench_archive.py [--quick] [--parts ab] [--json out.json]
-    PYTHONPATH=/tmp/engram-before .venv/bin/python scripts/bench_archive.py --parts b  # older code
+    .venv/bin/python -m bench.archive [--quick] [--parts ab] [--json out.json]
+    PYTHONSAFEPATH=1 PYTHONPATH=/tmp/engram-before:$PWD \
+        .venv/bin/python -m bench.archive --parts b                  # another checkout's code
 
 (a) The commit's cost per request. First the write transaction alone, as the pipeline runs it:
     ``Store.write(lambda c: commit_turns(c, placement, rows, now))`` with ``rows`` the request's
@@ -27,9 +28,17 @@ back-to-back clients still split a conversation (issue 10).
     the tests' way), with the hash embedder (``--embedder model``: the configured MiniLM, whose
     slower archiving widened the old code's race).
 
-The code measured is whichever ``proxy`` package Python imports: set ``PYTHONPATH`` to another
-checkout (a ``git worktree`` of an older commit) to measure that one; its ``tests`` package is
-used too. Part (a) needs ``commit_turns`` (commit 56d4a5c and later).
+Run it from the repository root. The code measured is whichever ``proxy`` package Python imports
+(printed first, as "measuring <commit> (<path>)"); plainly run, that is this checkout's. To measure
+another checkout (a ``git worktree`` of an older commit), run from this root with that checkout
+first on ``PYTHONPATH`` and this root after it, and ``PYTHONSAFEPATH=1`` (Python 3.11's ``-P``):
+``python -m`` otherwise puts the current folder ahead of ``PYTHONPATH``, and this checkout's
+``proxy`` would win. The other checkout then provides ``proxy`` (also for ``python -m proxy
+serve``, started in its folder) and its own in-process Engram: its ``testing.harness``, or its
+``tests.conftest`` in checkouts from before the ``testing`` package; this root provides ``bench``
+and, when the other checkout has none, ``testing`` (the fake upstream). A checkout that has its
+own ``bench`` package runs its own copy of this benchmark. Part (a) needs ``commit_turns``
+(commit 56d4a5c and later).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import importlib
 import itertools
 import json
 import os
@@ -53,19 +63,16 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from bench_common import ROOT, machine, machine_lines
 
 import proxy
+from bench.common import machine, machine_lines
 from proxy.store import Store, queries
 from proxy.store.db import connect
-
-if str(ROOT) not in sys.path:  # tests.* (the fake upstream, an in-process Engram); appended, so
-    sys.path.append(str(ROOT))  # that the tree PYTHONPATH names (older code) keeps its own tests
-
 from testing.fake_upstream import FakeUpstream
 
 CODE_ROOT = Path(proxy.__file__).resolve().parent.parent  # the tree whose code is measured
@@ -371,14 +378,21 @@ async def start_serve(upstream: str, tmp: Path, name: str, model: bool = False) 
     return Running(url, db, settle, close)
 
 
+def harness() -> ModuleType:
+    """The measured tree's in-process Engram (``start_engram``, ``settle``): its
+    ``testing.harness``, or ``tests.conftest`` in checkouts from before the ``testing`` package."""
+    has_testing = (CODE_ROOT / "testing" / "harness.py").is_file()
+    return importlib.import_module("testing.harness" if has_testing else "tests.conftest")
+
+
 async def start_in_process(upstream: str, model: bool = False) -> Running:
     from proxy.embedder import DEFAULT_MODEL
-    from testing.harness import settle, start_engram
 
-    engram = await start_engram(upstream, embedder={"model": DEFAULT_MODEL if model else "hash"})
+    h = harness()
+    engram = await h.start_engram(upstream, embedder={"model": DEFAULT_MODEL if model else "hash"})
 
     async def wait() -> None:
-        await settle(engram, 120.0)
+        await h.settle(engram, 120.0)
 
     return Running(engram.url, Path(engram.tmp.name) / "engram.db", wait, engram.close)
 
@@ -569,7 +583,6 @@ async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
     """The same pairs through an in-process Engram (hash embedder), its archive steps timed."""
     import proxy.memory
     import proxy.pipeline
-    from testing.harness import start_engram
 
     probe = _Probe()
     undo = [
@@ -586,7 +599,7 @@ async def part_a_breakdown(pairs: int, gap_s: float) -> dict[str, Any]:
     fake = TimedUpstream(n_ctx=32768, record=False)
     await fake.start()
     try:
-        engram = await start_engram(fake.url)
+        engram = await harness().start_engram(fake.url)
         try:
             load = os.getloadavg()[0]
             out = await on_off_pairs(engram.url, fake, pairs, gap_s, TextGen(4))

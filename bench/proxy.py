@@ -1,6 +1,6 @@
 """Engram's overhead: the same requests sent straight to a fake upstream and through Engram.
 
-    python scripts/bench_proxy.py [--requests N | --quick] [--json results.json]
+    python -m bench.proxy [--requests N | --quick] [--json results.json]
 
 The fake upstream (``python -m testing.fake_upstream``) and Engram (``python -m proxy serve``)
 each run in their own process; this process is the load generator (one pooled aiohttp

@@ -1,7 +1,8 @@
-"""Shared by the retrieval benchmarks: machine figures, an on-disk embedding cache, LoCoMo.
+"""Shared by the benchmarks: machine figures, an on-disk embedding cache, LoCoMo.
 
-Imported by ``scripts/bench_locomo.py`` and ``scripts/bench_retrieval.py`` (run as
-``python scripts/<name>.py``, which puts this folder on ``sys.path``).
+Imported by the other ``bench`` modules (``bench.locomo``, ``bench.retrieval``, ``bench.replay``,
+``bench.tools``, ``bench.archive``), each run from the repository root as
+``python -m bench.<name>``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What Engram forwards in a long chat: LoCoMo conversations replayed through a running Engram.
 
-    .venv/bin/python scripts/bench_replay.py [--conversations N] [--quick] [--json out.json]
+    .venv/bin/python -m bench.replay [--conversations N] [--quick] [--json out.json]
         [--budgets 2048,4096] [--modes zones,stable] [--set section.key=value ...]
 
 Each LoCoMo conversation becomes one chat: the speaker of its first turn is the user, the other
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_common import (
+from bench.common import (
     CATEGORIES,
     DEFAULT_LOCOMO,
     EvidenceLog,
@@ -65,7 +65,6 @@ from bench_common import (
     machine_lines,
     repair_evidence,
 )
-
 from proxy.identity import content_text
 from proxy.inject import BLOCK_OPEN
 from proxy.memory import PROMPT_MARGIN, PROMPT_SAFETY
@@ -74,7 +73,6 @@ from proxy.tokens import UNCALIBRATED, TokenCounter, load_encoder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parent.parent
 REPLY_RESERVE = 256
 
 
@@ -604,8 +602,6 @@ def parse_sets(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    if str(ROOT) not in sys.path:  # testing.harness and testing.fake_upstream drive the run
-        sys.path.insert(0, str(ROOT))
     convs, evlog = load(args.data, args.conversations, args.speaker_names)
     overrides = parse_sets(args.set)
     count = TokenTally()
