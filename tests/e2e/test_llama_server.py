@@ -278,7 +278,7 @@ async def test_serve_without_upstream_starts_the_bundled_model() -> None:
     import signal
     import socket
 
-    from tests.test_serve import start_serve
+    from tests.proxy.test_serve import start_serve
 
     for port in (8080, 11434):
         with socket.socket() as s:

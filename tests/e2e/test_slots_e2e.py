@@ -15,7 +15,7 @@ from proxy.slots import REFERENCE, slot_id
 from testing.fake_chunks import template_violations
 from testing.harness import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer
-from tests.test_slot_proxy import agent_chat
+from tests.proxy.test_slot_proxy import agent_chat
 
 pytestmark = pytest.mark.asyncio
 

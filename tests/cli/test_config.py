@@ -9,7 +9,7 @@ import pytest
 from proxy.cli import main
 from proxy.config import ConfigError, load_settings, render_defaults
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_config_file_matches_the_declared_defaults() -> None:

@@ -44,7 +44,7 @@ import pytest_asyncio
 from proxy.store.db import Connection, connect
 from testing.fake_upstream import FakeUpstream
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("ENGRAM_CRASH_SEED", "20261130"))
 ROUNDS = int(os.environ.get("ENGRAM_CRASH_ROUNDS", "4"))
 CLIENTS = 8

@@ -16,7 +16,7 @@ from proxy.cli import main
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply
 from testing.harness import Engram, settle, start_engram
-from tests.test_subagents import HANDBACK
+from tests.proxy.test_subagents import HANDBACK
 
 FILLER = "Let us talk about the weather and nothing in particular. " * 150
 

@@ -10,8 +10,7 @@ import pytest
 
 from proxy.app import STORE
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram
-from tests.test_memory import settle
+from testing.harness import Engram, settle
 
 pytestmark = pytest.mark.asyncio
 

@@ -15,7 +15,7 @@ from proxy.inject import BLOCK_OPEN
 from proxy.memory import _turns_at
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, settle, start_engram
-from tests.test_memory import SYSTEM, chat, forwarded_system
+from tests.proxy.test_memory import SYSTEM, chat, forwarded_system
 
 pytestmark = pytest.mark.asyncio
 

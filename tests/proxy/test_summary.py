@@ -16,8 +16,8 @@ from proxy.tokens import TokenCounter
 from testing.fake_chunks import chat_completion, template_violations
 from testing.fake_upstream import FakeUpstream, JsonReply
 from testing.harness import Engram, settle, start_engram
-from tests.test_config import ROOT
-from tests.test_rewrite import long_chat
+from tests.cli.test_config import ROOT
+from tests.proxy.test_rewrite import long_chat
 
 SUMMARY = "The user asked forty numbered questions about lorem ipsum; question 3 concerned lorem."
 
