@@ -50,12 +50,12 @@ test: e2e-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check proxy tests scripts
-	$(BIN)/ruff format --check proxy tests scripts
+	$(BIN)/ruff check proxy tests testing bench scripts
+	$(BIN)/ruff format --check proxy tests testing bench scripts
 
 format: $(DEV_STAMP)
-	$(BIN)/ruff format proxy tests scripts
-	$(BIN)/ruff check --fix proxy tests scripts
+	$(BIN)/ruff format proxy tests testing bench scripts
+	$(BIN)/ruff check --fix proxy tests testing bench scripts
 
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
