@@ -50,18 +50,18 @@ test: e2e-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(DEV_STAMP)
-	$(BIN)/ruff check proxy tests scripts
-	$(BIN)/ruff format --check proxy tests scripts
+	$(BIN)/ruff check proxy tests testing bench scripts
+	$(BIN)/ruff format --check proxy tests testing bench scripts
 
 format: $(DEV_STAMP)
-	$(BIN)/ruff format proxy tests scripts
-	$(BIN)/ruff check --fix proxy tests scripts
+	$(BIN)/ruff format proxy tests testing bench scripts
+	$(BIN)/ruff check --fix proxy tests testing bench scripts
 
 typecheck: $(DEV_STAMP)
 	$(BIN)/mypy
 
 bench: $(DEV_STAMP)
-	$(BIN)/python scripts/bench_proxy.py $(ARGS)
+	$(BIN)/python -m bench.proxy $(ARGS)
 
 ## Regenerate config/engram.toml from the settings model
 config: $(STAMP)

@@ -186,7 +186,7 @@ class RetrievalSettings:
     rrf_k: float = opt(
         10.0,
         "The k of Reciprocal Rank Fusion: 1/(k + rank). 10 rather than the customary 60: on "
-        "LoCoMo (scripts/bench_locomo.py) no k=60 setting kept hybrid ahead of FTS5 alone in "
+        "LoCoMo (bench/locomo.py) no k=60 setting kept hybrid ahead of FTS5 alone in "
         "every question category, since a flat 1/(60 + rank) lets mid-list vector hits push out "
         "FTS5's top ones; k=10 did (R@5 0.67, R@10 0.75).",
         min=0,

@@ -67,6 +67,12 @@ class Services:
     pipeline: ChatPipeline
     parts: MemoryParts | None
 
+    def require_memory(self) -> MemoryParts:
+        """The memory parts; RuntimeError when memory is disabled (for tools and benchmarks)."""
+        if self.parts is None:
+            raise RuntimeError("memory is disabled (memory.enabled = false)")
+        return self.parts
+
     @property
     def memory(self) -> MemoryService | None:
         return self.parts.memory if self.parts else None

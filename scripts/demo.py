@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """A short scripted chat that shows Engram recalling a fact in a new conversation.
 
-    python scripts/demo.py                       # uses Engram at 127.0.0.1:8787, else starts one
-    python scripts/demo.py --url http://127.0.0.1:9000
+    python -m scripts.demo                       # uses Engram at 127.0.0.1:8787, else starts one
+    python -m scripts.demo --url http://127.0.0.1:9000
 
-With no Engram running, it starts `engram serve` with a throw-away database (and, with no model
-server around, Engram starts its bundled tiny model). The official openai SDK is the client:
-nothing here knows about Engram except the base URL and a user header.
+Run it from the repository root. With no Engram running, it starts `python -m proxy serve` (this
+checkout's Engram) with a throw-away database (and, with no model server around, Engram starts
+its bundled tiny model). The official openai SDK is the client: nothing here knows about Engram
+except the base URL and a user header.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Build, locate or run the bundled llama-server and tiny model (see proxy/bundled.py)."""
+"""Build, locate or run the bundled llama-server and tiny model (see proxy/bundled.py).
+
+    .venv/bin/python -m scripts.llama_server --help     # from the repository root
+
+The same as ``python -m proxy.bundled``; run as a module so that ``proxy`` is this checkout's.
+"""
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.bundled import main
 

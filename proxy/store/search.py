@@ -18,9 +18,9 @@ Vector search has two plans over the same ``turn_vec`` partition:
   vec0's KNN cost grows with k (about 0.1 ms per unit of k at 100k), so the oversampling is
   small: with 50 wanted from 100k MiniLM vectors of LoCoMo text, k=100 took 12 ms (k=500: 61 ms,
   more than the exact plan's 38) for recall@10 0.92 / recall@50 0.73 against exact, and the
-  hybrid top 6 kept 98% of the exact plan's (scripts/bench_retrieval.py). Sign bits suit roughly
+  hybrid top 6 kept 98% of the exact plan's (bench/retrieval.py). Sign bits suit roughly
   centred embeddings such as MiniLM's; vectors that share a strong common direction lose much
-  more recall (see scripts/bench_store.py).
+  more recall (see bench/store.py).
 
 :class:`~proxy.store.store.Store` picks the plan (``auto``: quantised above
 ``QUANTIZED_ABOVE`` turns).
@@ -62,7 +62,7 @@ share of all turns: their rows would seldom be among the index's best."""
 
 FTS_WEIGHTS: tuple[float, float, float] = (1.0, 0.3, 1.0)
 """bm25 weights of ``turns_fts``'s columns ``body``, ``ctx``, ``date``. Measured on LoCoMo
-(scripts/bench_locomo.py): a neighbour's words count for less than the turn's own."""
+(bench/locomo.py): a neighbour's words count for less than the turn's own."""
 
 
 def fts_search(

@@ -26,7 +26,7 @@ import pytest_asyncio
 from proxy import bundled as llama_server
 from proxy.services import SERVICES
 from proxy.store.models import Turn
-from tests.conftest import Engram, start_engram
+from testing.harness import Engram, start_engram
 
 REAL_EMBEDDER = {"model": "engram/all-MiniLM-L6-v2-int8"}
 CTX = 2048

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from proxy.services import SERVICES
-from tests.conftest import Engram, settle, start_engram
+from testing.harness import Engram, settle, start_engram
 from tests.e2e.conftest import LlamaServer
 
 pytestmark = pytest.mark.asyncio

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from proxy.chat.fence import BLOCK_OPEN
 from proxy.services import SERVICES
-from tests.conftest import Engram, settle
+from testing.harness import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer, user_turns, wait_idle
 
 pytestmark = pytest.mark.asyncio
@@ -278,7 +278,7 @@ async def test_serve_without_upstream_starts_the_bundled_model() -> None:
     import signal
     import socket
 
-    from tests.test_serve import start_serve
+    from tests.proxy.test_serve import start_serve
 
     for port in (8080, 11434):
         with socket.socket() as s:

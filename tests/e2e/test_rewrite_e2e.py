@@ -12,9 +12,9 @@ import pytest
 from proxy.background.summarizer import get_summary
 from proxy.chat.prompt import SUMMARY_OPEN
 from proxy.services import SERVICES
-from tests.conftest import settle, start_engram
+from testing.fake_chunks import template_violations
+from testing.harness import settle, start_engram
 from tests.e2e.conftest import CTX, LlamaServer
-from tests.fake_chunks import template_violations
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,10 +12,10 @@ import pytest
 
 from proxy.services import SERVICES
 from proxy.slots.refs import REFERENCE, slot_id
-from tests.conftest import Engram, settle
+from testing.fake_chunks import template_violations
+from testing.harness import Engram, settle
 from tests.e2e.conftest import CTX, LlamaServer
-from tests.fake_chunks import template_violations
-from tests.test_slot_proxy import agent_chat
+from tests.proxy.test_slot_proxy import agent_chat
 
 pytestmark = pytest.mark.asyncio
 

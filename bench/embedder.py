@@ -1,0 +1,63 @@
+"""Time the embedder: model load, one query, and passages in batches.
+
+.venv/bin/python -m bench.embedder [--model NAME_OR_DIR] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+
+from proxy.search.embedder import DEFAULT_MODEL, DEFAULT_THREADS, FastEmbedEmbedder
+
+SUBJECTS = ["my sister", "the new manager", "our neighbour", "a friend from school", "Grandpa"]
+VERBS = ["adopted", "painted", "fixed", "sold", "photographed", "wrote about"]
+OBJECTS = ["a rescue dog", "the old boat", "a sunrise over the lake", "the kitchen sink"]
+
+
+def sentences(n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        s, v, o = (SUBJECTS[i % 5], VERBS[(i // 5) % 6], OBJECTS[(i // 30) % 4])
+        out.append(f"Last {['Monday', 'week', 'summer'][i % 3]} {s} {v} {o} (note {i}).")
+    return out
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--passages", type=int, default=640)
+    args = parser.parse_args()
+    emb = FastEmbedEmbedder(args.model, threads=args.threads, batch_size=args.batch, lru_size=0)
+    try:
+        t0 = time.perf_counter()
+        await emb.load()
+        print(f"load: {time.perf_counter() - t0:.2f} s ({emb.name}, dim {emb.dim})")
+        latencies = []
+        for text in sentences(60):
+            t0 = time.perf_counter()
+            await emb.embed_queries([text])
+            latencies.append(time.perf_counter() - t0)
+        latencies = sorted(latencies[10:])
+        print(
+            f"one query: p50 {statistics.median(latencies) * 1000:.1f} ms, "
+            f"p90 {latencies[int(len(latencies) * 0.9)] * 1000:.1f} ms"
+        )
+        texts = sentences(args.passages)
+        t0 = time.perf_counter()
+        await emb.embed_passages(texts)
+        took = time.perf_counter() - t0
+        print(
+            f"{len(texts)} passages in batches of {args.batch}: "
+            f"{took * 1000 / len(texts):.2f} ms per passage"
+        )
+    finally:
+        await emb.aclose()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

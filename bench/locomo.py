@@ -1,0 +1,315 @@
+"""Retrieval quality on LoCoMo, through Engram's own import, store and Retriever.
+
+    .venv/bin/python -m bench.locomo [--limit-conversations N] [--json out.json]
+        [--config K,N,FTS_W,VEC_W ...]
+
+Each of the 10 conversations becomes one user namespace in a fresh temporary database (one
+Engram session per LoCoMo session, timestamps from ``session_N_date_time``, image captions
+appended as `` [image: caption]``), stored through :func:`proxy.cli.importer.import_records` (or
+``Store.add_turns`` where that module is missing) with the default embedder. Every question of
+categories 1-4 is then asked through :meth:`proxy.search.retrieval.Retriever.search` (k=20) in the
+modes fts, vec, hybrid and hybrid+mmr. A turn counts when its ``dia_id`` is among the question's
+evidence (malformed ids repaired or dropped, listed in the output).
+
+recall@k = |evidence ∩ top-k| / |evidence|, averaged over questions (LoCoMo's own metric);
+hit@k = 1 if any evidence turn is in the top k. Targets: hybrid R@10 ≥ 0.70, R@5 ≥ 0.60, and
+hybrid ahead of both single paths (R@10) in every category.
+
+Embeddings are cached in ``--cache-dir`` (default ~/.cache/engram-bench), so only the first run
+spends minutes in the model. The data is CC BY-NC: it is read in place, never copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    CATEGORIES,
+    DEFAULT_CACHE,
+    DEFAULT_LOCOMO,
+    DiskCachedEmbedder,
+    EvidenceLog,
+    LocomoConversation,
+    LocomoQuestion,
+    embedded_text_check,
+    import_turns,
+    load_locomo,
+    locomo_records,
+    machine,
+    machine_lines,
+)
+from proxy.config import RetrievalSettings
+from proxy.search.embedder import create_embedder
+from proxy.search.retrieval import Retriever
+from proxy.store import Store
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+KS = (1, 5, 10, 20)
+HITS = (5, 10)
+MODES = ("fts", "vec", "hybrid", "hybrid+mmr")
+TARGET_R10, TARGET_R5 = 0.70, 0.60
+METRICS = [f"R@{k}" for k in KS] + [f"H@{k}" for k in HITS]
+
+
+def parse_config(text: str) -> dict[str, Any]:
+    """``K,N,FTS_W,VEC_W`` or ``key=value,...`` over ``[retrieval]`` settings."""
+    if "=" not in text:
+        k, n, fw, vw = (float(x) for x in text.split(","))
+        return {"rrf_k": k, "candidates": int(n), "fts_weight": fw, "vec_weight": vw}
+    defaults = dataclasses.asdict(RetrievalSettings())
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in defaults:
+            raise SystemExit(f"--config: unknown [retrieval] setting {key!r}")
+        kind = type(defaults[key])
+        out[key] = value.strip().lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return out
+
+
+def config_name(c: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items())
+
+
+async def load(
+    store: Store, embedder: DiskCachedEmbedder, convs: list[LocomoConversation], via: str
+) -> tuple[dict[str, dict[int, str]], str, float, str | None]:
+    """Import every conversation; returns {user: {turn id: dia_id}}, the path, seconds."""
+    records = [r for conv in convs for r in locomo_records(conv)]
+    t0 = time.perf_counter()
+    path = await import_turns(store, embedder, records, via=via)
+    seconds = time.perf_counter() - t0
+    dia: dict[str, dict[int, str]] = {}
+    for conv in convs:
+        stored: list[int] = []
+        sessions = sorted({t.session for t in conv.turns})
+        for n in sessions:
+            stored += [t.id for t in await store.session_turns(f"{conv.sample_id}-s{n}")]
+        if len(stored) != len(conv.turns):
+            raise RuntimeError(
+                f"{conv.sample_id}: {len(conv.turns)} turns given, {len(stored)} stored"
+            )
+        # import order is session order, then turn order: the i-th stored turn is the i-th turn
+        dia[conv.sample_id] = {tid: t.dia_id for tid, t in zip(stored, conv.turns, strict=True)}
+    warning = await embedded_text_check(store, convs[0].sample_id)
+    return dia, path, seconds, warning
+
+
+async def ask(
+    retriever: Retriever,
+    convs: list[LocomoConversation],
+    questions: list[LocomoQuestion],
+    dia: dict[str, dict[int, str]],
+) -> dict[str, list[list[str]]]:
+    """mode -> per question, the dia_ids of the top 20, best first."""
+    out: dict[str, list[list[str]]] = {m: [] for m in MODES}
+    for q in questions:
+        user = convs[q.conversation].sample_id
+        for mode in MODES:
+            hits = await retriever.search(
+                user,
+                q.question,
+                max(KS),
+                mode="hybrid" if mode == "hybrid+mmr" else mode,
+                use_mmr=mode == "hybrid+mmr",
+            )
+            out[mode].append([dia[user][h.turn.id] for h in hits])
+    return out
+
+
+def score(
+    ranked: Sequence[list[str]], questions: list[LocomoQuestion]
+) -> dict[str, dict[str, float]]:
+    """{"all" | category number as str: {metric: mean, "n": count}}."""
+    acc: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for top, q in zip(ranked, questions, strict=True):
+        for group in ("all", str(q.category)):
+            for k in KS:
+                acc[group][f"R@{k}"].append(len(q.evidence & set(top[:k])) / len(q.evidence))
+            for k in HITS:
+                acc[group][f"H@{k}"].append(float(bool(q.evidence & set(top[:k]))))
+    return {
+        g: {m: sum(v) / len(v) for m, v in d.items()} | {"n": float(len(d["R@1"]))}
+        for g, d in acc.items()
+    }
+
+
+def verdicts(results: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, bool]]:
+    hyb = results["hybrid"]
+    checks = [
+        (f"hybrid R@10 {hyb['all']['R@10']:.3f} ≥ {TARGET_R10}", hyb["all"]["R@10"] >= TARGET_R10),
+        (f"hybrid R@5 {hyb['all']['R@5']:.3f} ≥ {TARGET_R5}", hyb["all"]["R@5"] >= TARGET_R5),
+    ]
+    for cat in sorted(CATEGORIES):
+        c = str(cat)
+        if c not in hyb:
+            continue
+        h, f, v = (results[m][c]["R@10"] for m in ("hybrid", "fts", "vec"))
+        checks.append(
+            (
+                f"{CATEGORIES[cat]}: hybrid R@10 {h:.4f} > fts {f:.4f} and vec {v:.4f}",
+                h > f and h > v,
+            )
+        )
+    return checks
+
+
+def tables(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    head = "| mode | " + " | ".join(METRICS) + " |"
+    rule = "|---|" + "---|" * len(METRICS)
+    n = results["hybrid"]["all"]["n"]
+    lines = [f"Overall (categories 1-4, n = {n:.0f})", "", head, rule]
+    for mode in MODES:
+        r = results[mode]["all"]
+        lines.append(f"| {mode} | " + " | ".join(f"{r[m]:.3f}" for m in METRICS) + " |")
+    lines += ["", "Per category", "", "| category | n | mode | " + " | ".join(METRICS) + " |"]
+    lines.append("|---|---|---|" + "---|" * len(METRICS))
+    for cat, name in CATEGORIES.items():
+        c = str(cat)
+        if c not in results["hybrid"]:
+            continue
+        for mode in MODES:
+            r = results[mode][c]
+            lines.append(
+                f"| {cat} {name} | {r['n']:.0f} | {mode} | "
+                + " | ".join(f"{r[m]:.3f}" for m in METRICS)
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def evidence_report(log: EvidenceLog) -> list[str]:
+    lines = [
+        f"Evidence ids: {sum(log.repaired.values())} repaired, {sum(log.dropped.values())} "
+        f"dropped (name no turn); {log.questions_without_evidence} questions left without "
+        f"evidence and skipped; {log.questions_skipped_category} category-5 questions skipped."
+    ]
+    if log.repaired:
+        lines.append("  repaired: " + "; ".join(f"{k} (x{n})" for k, n in log.repaired.items()))
+    if log.dropped:
+        lines.append("  dropped: " + ", ".join(f"{k!r} (x{n})" for k, n in log.dropped.items()))
+    return lines
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    convs, questions, evlog = load_locomo(args.data, args.limit_conversations)
+    defaults = dataclasses.asdict(RetrievalSettings())
+    shown = ("rrf_k", "candidates", "fts_weight", "vec_weight", "fts_common_share")
+    configs = [{k: defaults[k] for k in shown} | parse_config(c) for c in args.config] or [
+        {k: defaults[k] for k in shown}
+    ]
+    embedder = DiskCachedEmbedder(create_embedder(threads=args.threads), args.cache_dir)
+    out: dict[str, Any] = {
+        "machine": machine(),
+        "data": str(args.data),
+        "conversations": len(convs),
+        "turns": sum(len(c.turns) for c in convs),
+        "questions": len(questions),
+        "evidence": {
+            "repaired": dict(evlog.repaired),
+            "dropped": dict(evlog.dropped),
+            "questions_without_evidence": evlog.questions_without_evidence,
+            "questions_skipped_category": evlog.questions_skipped_category,
+        },
+        "runs": [],
+    }
+    try:
+        with tempfile.TemporaryDirectory(prefix="engram-locomo-") as tmp:
+            async with Store(Path(tmp) / "locomo.db") as store:
+                dia, path, seconds, warning = await load(store, embedder, convs, args.via)
+                embedder.save()
+                out["import"] = {"path": path, "seconds": round(seconds, 1)}
+                out["warning"] = warning
+                for config in configs:
+                    settings = dataclasses.replace(RetrievalSettings(), **config)
+                    t0 = time.perf_counter()
+                    ranked = await ask(Retriever(store, embedder, settings), convs, questions, dia)
+                    results = {m: score(ranked[m], questions) for m in MODES}
+                    out["runs"].append(
+                        {
+                            "config": config,
+                            "results": results,
+                            "checks": verdicts(results),
+                            "seconds": round(time.perf_counter() - t0, 1),
+                        }
+                    )
+                    embedder.save()
+    finally:
+        await embedder.aclose()
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_LOCOMO, help="locomo10.json")
+    parser.add_argument("--limit-conversations", type=int, help="only the first N (quick run)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="K,N,FTS_W,VEC_W | KEY=VALUE,...",
+        help="[retrieval] settings to run with: rrf_k,candidates,fts_weight,vec_weight or "
+        "key=value pairs, the rest at their defaults (repeat to compare); default: the defaults",
+    )
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="embedding cache")
+    parser.add_argument("--threads", type=int, default=1, help="ONNX threads of the embedder")
+    parser.add_argument(
+        "--via",
+        choices=("auto", "importer", "store"),
+        default="auto",
+        help="load through proxy.cli.importer (auto: when it exists) or Store.add_turns",
+    )
+    parser.add_argument("--fail-on-miss", action="store_true", help="exit 1 if a target fails")
+    args = parser.parse_args()
+    if not args.data.is_file():
+        parser.error(f"no LoCoMo data at {args.data} (see --data)")
+    out = asyncio.run(run(args))
+    print("\n".join(machine_lines(out["machine"])))
+    print(
+        f"LoCoMo: {out['conversations']} conversations = user namespaces in one database, "
+        f"{out['turns']} turns, {out['questions']} questions (categories 1-4); imported through "
+        f"{out['import']['path']} in {out['import']['seconds']} s (embeddings cached)."
+    )
+    if out["warning"]:
+        print(out["warning"], file=sys.stderr)
+        print(out["warning"])
+    print("\n".join(evidence_report_from(out)))
+    failed = False
+    for run_ in out["runs"]:
+        print(f"\n### {config_name(run_['config'])} ({run_['seconds']} s)\n")
+        print(tables(run_["results"]))
+        print()
+        for text, ok in run_["checks"]:
+            print(f"- {'PASS' if ok else 'FAIL'}: {text}")
+            failed |= not ok
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return 1 if failed and args.fail_on_miss else 0
+
+
+def evidence_report_from(out: dict[str, Any]) -> list[str]:
+    ev = out["evidence"]
+    log = EvidenceLog()
+    log.repaired.update(ev["repaired"])
+    log.dropped.update(ev["dropped"])
+    log.questions_without_evidence = ev["questions_without_evidence"]
+    log.questions_skipped_category = ev["questions_skipped_category"]
+    return evidence_report(log)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

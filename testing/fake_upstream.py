@@ -1,0 +1,394 @@
+"""A scriptable fake model server: a real aiohttp app on a real port that mimics llama.cpp's
+llama-server (``flavor="llamacpp"``) or Ollama (``flavor="ollama"``) and records every request.
+
+    fake = FakeUpstream(strict_templates=True)
+    url = await fake.start()
+    fake.enqueue(StreamReply(chat_chunks(["Hel", "lo"]), delay=0.05, die_after=2))
+    ...  # drive the proxy at url
+    assert fake.chat_requests()[0].json()["messages"] == [...]
+    await fake.stop()
+
+Enqueued replies are one-shot and consumed first-in first-out per path; with the queue empty
+each route answers deterministically (chat replies echo the last user message).
+
+Standalone, for benchmarks: ``python -m testing.fake_upstream --port 8081 [--flavor ollama]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from testing.fake_chunks import (
+    chat_chunks,
+    chat_completion,
+    completion_chunks,
+    completion_object,
+    embedding,
+    last_user_text,
+    llamacpp_error,
+    make_usage,
+    ollama_chat,
+    openai_error,
+    response_events,
+    response_object,
+    rough_tokens,
+    static_bodies,
+    template_violations,
+    text_of,
+    words,
+)
+
+__all__ = [
+    "FakeUpstream",
+    "JsonReply",
+    "RawReply",
+    "RecordedRequest",
+    "Reply",
+    "StreamReply",
+    "chat_chunks",
+    "chat_completion",
+    "llamacpp_error",
+    "openai_error",
+    "template_violations",
+]
+
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+MAX_BODY = 256 * 1024 * 1024
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    path: str
+    query_string: str
+    headers: CIMultiDict[str]
+    body: bytes  # exactly as received
+    received_at: float  # time.monotonic() when the request arrived
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class Reply:
+    """Base of the one-shot replies that :meth:`FakeUpstream.enqueue` takes."""
+
+
+@dataclass
+class JsonReply(Reply):
+    body: Any
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0  # seconds to wait before answering (a slow non-streamed reply)
+
+
+@dataclass
+class RawReply(Reply):
+    body: bytes
+    status: int = 200
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+
+@dataclass
+class StreamReply(Reply):
+    """Writes each element of ``events`` as-is, ``delay`` seconds apart. With ``die_after=N``
+    the connection is aborted after N elements, with no terminating chunk."""
+
+    events: list[bytes]
+    delay: float = 0.0
+    status: int = 200
+    content_type: str = "text/event-stream"
+    die_after: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[web.Request, bytes], Awaitable[web.StreamResponse]]
+
+
+class FakeUpstream:
+    def __init__(
+        self,
+        *,
+        flavor: str = "llamacpp",
+        n_ctx: int = 4096,
+        strict_templates: bool = False,
+        enforce_ctx: bool = False,
+        model: str = "fake-model",
+        record: bool = True,
+    ) -> None:
+        if flavor not in ("llamacpp", "ollama"):
+            raise ValueError(f"unknown flavor {flavor!r}")
+        self.flavor = flavor
+        self.n_ctx = n_ctx
+        self.strict_templates = strict_templates
+        self.enforce_ctx = enforce_ctx  # llamacpp: 400 exceed_context_size_error past n_ctx
+        self.model = model
+        self.record = record
+        self.requests: list[RecordedRequest] = []
+        self.disconnects: list[tuple[str, float]] = []
+        self.url = ""
+        self._queues: dict[str, deque[Reply]] = {}
+        self._runner: web.AppRunner | None = None
+        self._stopping = False
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/chat/completions"): self._chat,
+            ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self._responses,
+        }
+        if flavor == "llamacpp":
+            self._routes[("POST", "/tokenize")] = self._tokenize
+        else:
+            self._routes[("POST", "/api/chat")] = self._ollama_chat
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def enqueue(self, *replies: Reply, path: str = "/v1/chat/completions") -> None:
+        self._queues.setdefault(path, deque()).extend(replies)
+
+    def chat_requests(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.path in CHAT_PATHS]
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.25
+        )
+        self._stopping = False
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        self.url = f"http://{host}:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            self._stopping = True  # handlers cancelled by the shutdown are no disconnects
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeUpstream:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        received_at = time.monotonic()
+        body = await request.read()
+        if self.record:
+            headers = CIMultiDict(request.headers)
+            self.requests.append(
+                RecordedRequest(
+                    request.method, request.path, request.query_string, headers, body, received_at
+                )
+            )
+        queue = self._queues.get(request.path)
+        if queue:
+            return await self._send(request, queue.popleft())
+        handler = self._routes.get((request.method, request.path))
+        if handler is not None:
+            return await handler(request, body)
+        static = static_bodies(self.flavor, self.model, self.n_ctx)
+        if (request.method, request.path) in static:
+            return web.json_response(static[(request.method, request.path)])
+        missing = "File Not Found" if self.flavor == "llamacpp" else "404 page not found"
+        return self._error(404, missing, "not_found_error")
+
+    @contextlib.contextmanager
+    def _watch(self, path: str) -> Iterator[None]:
+        """Record a client disconnect noticed while answering."""
+        try:
+            yield
+        except (asyncio.CancelledError, ConnectionResetError):
+            if not self._stopping:
+                self.disconnects.append((path, time.monotonic()))
+            raise
+
+    async def _send(self, request: web.Request, reply: Reply) -> web.StreamResponse:
+        if isinstance(reply, StreamReply):
+            return await self._stream(request, reply)
+        if isinstance(reply, JsonReply | RawReply) and reply.delay:
+            with self._watch(request.path):
+                await asyncio.sleep(reply.delay)
+        if isinstance(reply, JsonReply):
+            return web.json_response(reply.body, status=reply.status, headers=reply.headers)
+        if isinstance(reply, RawReply):
+            headers = {"Content-Type": reply.content_type, **reply.headers}
+            return web.Response(body=reply.body, status=reply.status, headers=headers)
+        raise TypeError(f"not a reply: {reply!r}")
+
+    async def _stream(self, request: web.Request, reply: StreamReply) -> web.StreamResponse:
+        headers = {"Content-Type": reply.content_type, "Cache-Control": "no-cache"}
+        resp = web.StreamResponse(status=reply.status, headers={**headers, **reply.headers})
+        with self._watch(request.path):
+            await resp.prepare(request)
+            for i, event in enumerate(reply.events):
+                if reply.die_after is not None and i >= reply.die_after:
+                    break
+                if i and reply.delay:
+                    await asyncio.sleep(reply.delay)
+                await resp.write(event)
+            if reply.die_after is not None:  # upstream died mid-stream: no terminating chunk
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+            await resp.write_eof()
+        return resp
+
+    def _error(self, status: int, message: str, type_: str, **extra: int) -> web.Response:
+        if self.flavor == "llamacpp":
+            body = llamacpp_error(message, status, type_, **extra)
+        else:
+            body = openai_error(message, type_)
+        return web.json_response(body, status=status)
+
+    def _parse(self, body: bytes) -> dict[str, Any] | web.Response:
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            return self._error(400, f"Failed to parse JSON: {exc}", "invalid_request_error")
+        if not isinstance(payload, dict):
+            return self._error(400, "request body must be a JSON object", "invalid_request_error")
+        return payload
+
+    # ---- OpenAI-compatible routes -----------------------------------------------------------
+
+    async def _chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        messages = payload.get("messages")
+        if not isinstance(messages, list):
+            return self._error(400, "'messages' is required", "invalid_request_error")
+        if self.strict_templates and (problems := template_violations(messages)):
+            return self._error(500, "; ".join(problems), "server_error")
+        prompt_tokens = sum(
+            rough_tokens(text_of(m.get("content"))) for m in messages if isinstance(m, dict)
+        )
+        if self.enforce_ctx and self.flavor == "llamacpp" and prompt_tokens > self.n_ctx:
+            return self._error(
+                400,
+                "the request exceeds the available context size, try increasing it",
+                "exceed_context_size_error",
+                n_prompt_tokens=prompt_tokens,
+                n_ctx=self.n_ctx,
+            )
+        text = f"echo: {last_user_text(messages)}"
+        model = str(payload.get("model") or self.model)
+        usage = make_usage(prompt_tokens, rough_tokens(text))
+        if payload.get("stream"):
+            opts = payload.get("stream_options") or {}
+            with_usage = usage if isinstance(opts, dict) and opts.get("include_usage") else None
+            events = chat_chunks(words(text), model=model, usage=with_usage)
+            return await self._stream(request, StreamReply(events))
+        return web.json_response(chat_completion(text, usage=usage, model=model))
+
+    async def _embeddings(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        inputs = payload.get("input", "")
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding(item)}
+            for i, item in enumerate(inputs)
+        ]
+        n = sum(rough_tokens(x) if isinstance(x, str) else len(x) for x in inputs)
+        usage = {"prompt_tokens": n, "total_tokens": n}
+        model = payload.get("model") or self.model
+        return web.json_response({"object": "list", "data": data, "model": model, "usage": usage})
+
+    async def _completions(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        prompt = payload.get("prompt", "")
+        if isinstance(prompt, list):
+            prompt = "".join(p for p in prompt if isinstance(p, str))
+        text = f"echo: {prompt}"
+        model = str(payload.get("model") or self.model)
+        if payload.get("stream"):
+            return await self._stream(
+                request, StreamReply(completion_chunks(words(text), model=model))
+            )
+        usage = make_usage(rough_tokens(str(prompt)), rough_tokens(text))
+        return web.json_response(completion_object(text, model=model, usage=usage))
+
+    async def _responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        text = f"echo: {last_user_text(payload.get('input', ''))}"
+        model = str(payload.get("model") or self.model)
+        if payload.get("stream"):
+            return await self._stream(
+                request, StreamReply(response_events(words(text), model=model))
+            )
+        return web.json_response(response_object(text, model=model))
+
+    async def _tokenize(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        n = rough_tokens(str(payload.get("content", "")))
+        return web.json_response({"tokens": list(range(1, n + 1))})
+
+    async def _ollama_chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        text = f"echo: {last_user_text(payload.get('messages'))}"
+        model = str(payload.get("model") or self.model)
+        stream = payload.get("stream") is not False
+        lines = ollama_chat(text, model=model, stream=stream)
+        if not stream:
+            return web.json_response(lines[0])
+        events = [json.dumps(line).encode() + b"\n" for line in lines]
+        return await self._stream(request, StreamReply(events, content_type="application/x-ndjson"))
+
+
+async def _serve(host: str, port: int, flavor: str) -> None:
+    fake = FakeUpstream(flavor=flavor, record=False)
+    url = await fake.start(host, port)
+    print(f"listening on {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await fake.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve the fake model server.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8081)
+    parser.add_argument("--flavor", choices=("llamacpp", "ollama"), default="llamacpp")
+    args = parser.parse_args()
+    asyncio.run(_serve(args.host, args.port, args.flavor))
+
+
+if __name__ == "__main__":
+    main()

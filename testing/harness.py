@@ -1,0 +1,83 @@
+"""An in-process Engram for tests, benchmarks and scripts: a real aiohttp app on a real port.
+
+    engram = await start_engram(fake.url, slots={"min_tokens": 100})
+    ...  # drive it at engram.base_url
+    await settle(engram)  # its background work (archiving, embedding, summaries) is done
+    await engram.close()
+
+Every finished chat turn is also collected in ``engram.turns``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.chat.turn import ChatTurn
+from proxy.config import Settings, load_settings
+from proxy.services import SERVICES
+
+# The embedding model comes from PyPI packages; never ask a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class Engram:
+    """A running Engram app on a real port, with a probe that collects finished chat turns."""
+
+    url: str
+    app: web.Application
+    runner: web.AppRunner
+    tmp: tempfile.TemporaryDirectory[str]
+    turns: list[ChatTurn] = field(default_factory=list)
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+        self.tmp.cleanup()
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
+    """Engram on a free port with its own database in a temporary folder. Unless a test says
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model)."""
+    tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
+    overrides: dict[str, dict[str, Any]] = {
+        "upstream": {"url": upstream_url},
+        "memory": {"db_path": f"{tmp.name}/engram.db"},
+        "embedder": {"model": "hash"},
+    }
+    for name, values in sections.items():
+        overrides.setdefault(name, {}).update(values)
+    settings: Settings = load_settings(None, None, overrides)
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    engram = Engram(f"http://127.0.0.1:{port}", app, runner, tmp)
+
+    async def probe(turn: ChatTurn) -> None:
+        engram.turns.append(turn)
+
+    app[SERVICES].pipeline.reply_hooks.append(probe)
+    return engram
+
+
+async def settle(engram: Engram, timeout: float = 10.0) -> None:
+    """Wait until Engram's background work (archiving, embedding, summaries) is done."""
+    tasks = engram.app[SERVICES].tasks
+    for _ in range(int(timeout / 0.01)):
+        if not len(tasks):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("background work did not finish")

@@ -1,0 +1,2 @@
+"""The `engram` command and its tooling: import/export, the settings and config file, doctor, the
+bundled llama-server build."""

@@ -1,0 +1,140 @@
+"""retrieval.neighbours: a recalled turn brings its same-session neighbours into memory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from proxy.chat.fence import BLOCK_OPEN
+from proxy.services import SERVICES
+from proxy.store.queries import turns_at
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, settle, start_engram
+from tests.proxy.test_memory import SYSTEM, chat, forwarded_system
+
+pytestmark = pytest.mark.asyncio
+
+# The question names the topic; the answer sits in the next turn and shares no word with the
+# question, so only the neighbour rule brings it in (top_k=1 keeps the search to one hit).
+PAST: list[dict[str, Any]] = [
+    SYSTEM,
+    {"role": "user", "content": "Guess what my ferret Biscuit loves most."},
+    {"role": "assistant", "content": "Probably a tangerine squeaky octopus toy."},
+    {"role": "user", "content": "Right! Unrelated: gloomy drizzle again today."},
+]
+QUESTION = {"role": "user", "content": "What does Biscuit the ferret love?"}
+ANSWER = "octopus"
+
+
+async def engram_with(fake: FakeUpstream, neighbours: int) -> Engram:
+    return await start_engram(fake.url, retrieval={"top_k": 1, "neighbours": neighbours})
+
+
+@pytest_asyncio.fixture
+async def near(fake: FakeUpstream) -> AsyncIterator[Engram]:
+    e = await engram_with(fake, 1)
+    try:
+        yield e
+    finally:
+        await e.close()
+
+
+async def remember(http: aiohttp.ClientSession, engram: Engram, user: str = "alice") -> None:
+    await chat(http, engram, PAST, user=user)
+    await settle(engram)
+
+
+async def test_next_turn_of_a_recalled_turn_is_injected(
+    near: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    await remember(http, near)
+    _, r = await chat(http, near, [SYSTEM, QUESTION], user="alice")
+    system = forwarded_system(fake)
+    assert BLOCK_OPEN in system and "Biscuit" in system and ANSWER in system
+    # The neighbour follows its hit; the turn two away (beyond neighbours=1) stays out.
+    assert system.index("Biscuit") < system.index(ANSWER)
+    assert "drizzle" not in system
+    assert r.headers["X-Engram-Memories"] == "2"
+
+
+async def test_no_neighbours_by_default(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    engram = await engram_with(fake, 0)
+    try:
+        await remember(http, engram)
+        _, r = await chat(http, engram, [SYSTEM, QUESTION], user="alice")
+        system = forwarded_system(fake)
+        assert "Biscuit" in system and ANSWER not in system
+        assert r.headers["X-Engram-Memories"] == "1"
+    finally:
+        await engram.close()
+
+
+async def test_neighbour_already_in_the_window_is_not_injected(
+    near: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    await remember(http, near)
+    answer = PAST[2]
+    _, r = await chat(
+        http, near, [SYSTEM, {"role": "user", "content": "hello"}, answer, QUESTION], user="alice"
+    )
+    sent = fake.chat_requests()[-1].json()["messages"]
+    assert "Biscuit" in sent[0]["content"] and ANSWER not in sent[0]["content"]
+    assert sum(ANSWER in m["content"] for m in sent) == 1  # the client's own copy only
+    assert r.headers["X-Engram-Memories"] == "1"
+
+
+async def test_other_users_turns_never_come_as_neighbours(
+    near: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    await remember(http, near, user="alice")
+    await chat(
+        http,
+        near,
+        [SYSTEM, {"role": "user", "content": "My ferret Biscuit hates baths."}],
+        user="bob",
+    )
+    await settle(near)
+    await chat(http, near, [SYSTEM, QUESTION], user="bob")
+    assert ANSWER not in json.dumps(fake.chat_requests()[-1].json())
+    # The read itself is bounded by user: alice's session at bob's name finds nothing.
+    store = near.app[SERVICES].store
+    (alice_session,) = await store.list_sessions("alice")
+    places = [(alice_session.id, 2)]
+    assert await store.read(lambda c: turns_at(c, "bob", places)) == {}
+    found = await store.read(lambda c: turns_at(c, "alice", places))
+    assert ANSWER in found[(alice_session.id, 2)].content
+
+
+async def test_subagent_neighbours_stay_in_its_own_session(
+    near: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    await remember(http, near)  # the parent's own history holds the octopus answer
+    _, r = await chat(http, near, [{"role": "user", "content": "coordinate the pets research"}])
+    parent = r.headers["X-Engram-Session"]
+    await settle(near)
+    sub = {"X-Engram-Parent": parent}
+    # A long sub-agent conversation (beyond the fake's 4,096-token context): its first turns
+    # leave the forwarded window, so they can only come back as memories.
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "Note: Biscuit the ferret sleeps somewhere odd."},
+        {"role": "assistant", "content": "Noted: inside a walnut drawer."},
+    ]
+    for i in range(30):
+        history.append({"role": "user", "content": f"Step {i}: " + "lorem ipsum " * 60})
+        history.append({"role": "assistant", "content": f"Done {i}: " + "dolor sit " * 60})
+    history.append({"role": "user", "content": "carry on"})
+    body, r = await chat(http, near, history, headers=sub)
+    own = r.headers["X-Engram-Session"]
+    await settle(near)
+    _, r = await chat(http, near, [*history, body["choices"][0]["message"], QUESTION], headers=sub)
+    assert r.headers["X-Engram-Session"] == own
+    sent = fake.chat_requests()[-1].json()["messages"]
+    assert not any("Noted: inside" in m["content"] for m in sent[1:])  # out of the window
+    text = json.dumps(sent)
+    assert "walnut" in text  # its own hit's neighbour came back
+    assert ANSWER not in text and "Guess what" not in text  # never the parent's turns

@@ -1,0 +1,217 @@
+"""The prompt assembler over generated conversations (pure): budgets, units, template rules."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.chat.prompt import SUMMARY_OPEN, assemble
+from proxy.messages import content_text
+from testing.fake_chunks import template_violations
+
+Message = dict[str, Any]
+
+
+def tok(text: str) -> int:
+    return max(1, len(text) // 4)
+
+
+def count(msg: Message) -> int:
+    calls = msg.get("tool_calls")
+    return tok(content_text(msg.get("content"))) + 4 + (tok(json.dumps(calls)) if calls else 0)
+
+
+words = st.text(alphabet="abcdefghij klmnop", min_size=1, max_size=400).map(
+    lambda s: s.strip() or "x"
+)
+
+
+@st.composite
+def conversations(draw: st.DrawFn) -> list[Message]:
+    msgs: list[Message] = []
+    if draw(st.booleans()):
+        msgs.append({"role": "system", "content": draw(words)})
+    call_no = 0
+    for _ in range(draw(st.integers(0, 12))):
+        text = draw(words)
+        user_content: Any = text if draw(st.booleans()) else [{"type": "text", "text": text}]
+        msgs.append({"role": "user", "content": user_content})
+        # the assistant may loop through tools before answering
+        for _ in range(draw(st.integers(0, 2))):
+            n_calls = draw(st.integers(1, 3))
+            ids = [f"call{call_no + k}" for k in range(n_calls)]
+            call_no += n_calls
+            msgs.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": i, "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        for i in ids
+                    ],
+                }
+            )
+            msgs += [{"role": "tool", "tool_call_id": i, "content": draw(words)} for i in ids]
+        msgs.append({"role": "assistant", "content": draw(words)})
+    msgs.append({"role": "user", "content": draw(words)})
+    if draw(st.booleans()):  # an agent loop in the current exchange
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "cur1", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+                ],
+            }
+        )
+        msgs.append({"role": "tool", "tool_call_id": "cur1", "content": draw(words)})
+    return msgs
+
+
+def current_exchange(msgs: list[Message]) -> list[Message]:
+    last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    return msgs[last_user:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    conversations(),
+    st.integers(50, 3000),
+    st.sampled_from(["zones", "stable"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_assembly_properties(
+    msgs: list[Message], budget: int, mode: str, with_memory: bool, with_summary: bool
+) -> None:
+    assert not template_violations(msgs)
+    memory = (
+        "<engram-memory>\n- [2026-01-01] user: likes tea\n</engram-memory>" if with_memory else ""
+    )
+    out = assemble(
+        msgs,
+        budget=budget,
+        count=count,
+        count_text=tok,
+        memory_block=memory,
+        memory_ids=[7] if with_memory else [],
+        mode=mode,
+        summary="They planned a trip." if with_summary else None,
+    )
+    fwd = out.messages
+    # Strict chat-template rules hold.
+    assert not template_violations(fwd), (template_violations(fwd), fwd)
+    # The original system text is a byte-identical prefix.
+    if msgs[0]["role"] == "system":
+        assert fwd[0]["role"] == "system"
+        assert fwd[0]["content"].startswith(msgs[0]["content"])
+    assert sum(1 for m in fwd if m["role"] == "system") <= 1
+    # The current exchange comes last and whole (in stable mode the memory leads the user turn).
+    cur = current_exchange(msgs)
+    tail = fwd[-len(cur) :]
+    assert tail[1:] == cur[1:]
+    if tail[0] != cur[0]:
+        assert content_text(tail[0]["content"]).endswith(content_text(cur[0]["content"]))
+    # Every kept client message is unchanged and in order; nothing is invented but the blocks.
+    kept = [p.index for p in out.parts if p.index is not None]
+    assert kept == sorted(kept)
+    # The budget holds whenever the parts that are never cut fit in it.
+    fixed = sum(count(m) for m in cur) + (count(msgs[0]) if msgs[0]["role"] == "system" else 0)
+    fixed += tok(memory) + 4 if memory else 0
+    fixed += tok("They planned a trip.") + 40 if with_summary else 0
+    if fixed <= budget:
+        assert out.tokens <= budget + 30 or not out.rewritten
+    # Memory sits where the mode says.
+    if with_memory:
+        text = json.dumps(fwd)
+        assert text.count("likes tea") == 1
+        if mode == "zones":
+            assert "likes tea" in content_text(fwd[0]["content"])
+
+
+def test_small_conversation_goes_whole() -> None:
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    out = assemble(msgs, budget=1000, count=count, count_text=tok)
+    assert out.messages == msgs and not out.rewritten
+
+
+def test_long_conversation_is_cut_and_summarised() -> None:
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    for i in range(40):
+        msgs += [
+            {"role": "user", "content": f"question {i} " * 20},
+            {"role": "assistant", "content": f"answer {i} " * 20},
+        ]
+    msgs.append({"role": "user", "content": "and now?"})
+    out = assemble(
+        msgs, budget=600, count=count, count_text=tok, summary="Forty questions were asked."
+    )
+    assert out.rewritten and out.tokens <= 600
+    assert out.messages[0] == msgs[0]
+    assert out.messages[1]["role"] == "user" and SUMMARY_OPEN in json.dumps(out.messages[1])
+    assert out.messages[-1] == msgs[-1]
+    assert [p.source for p in out.parts][:2] == ["system", "summary"] or out.parts[
+        1
+    ].source.startswith("summary")
+    assert not template_violations(out.messages)
+
+
+def test_stable_mode_keeps_prefix_identical_across_turns() -> None:
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    for i in range(3):
+        msgs += [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]
+    turn1 = [*msgs, {"role": "user", "content": "new one"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "next"}]
+    a = assemble(
+        turn1, budget=5000, count=count, count_text=tok, memory_block="MEM A", mode="stable"
+    ).messages
+    b = assemble(
+        turn2, budget=5000, count=count, count_text=tok, memory_block="MEM B", mode="stable"
+    ).messages
+    # Everything before the new user message of turn 1 is byte-identical in turn 2.
+    assert json.dumps(a[:-1]) == json.dumps(b[: len(a) - 1])
+    z1 = assemble(turn1, budget=5000, count=count, count_text=tok, memory_block="MEM A").messages
+    z2 = assemble(turn2, budget=5000, count=count, count_text=tok, memory_block="MEM B").messages
+    assert z1[0] != z2[0]  # zones mode: the system message changes with the memories
+
+
+def test_tool_unit_is_never_split() -> None:
+    msgs: list[Message] = [{"role": "user", "content": "read files"}]
+    msgs.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": f"c{i}", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+                for i in range(3)
+            ],
+        }
+    )
+    msgs += [{"role": "tool", "tool_call_id": f"c{i}", "content": "data " * 200} for i in range(3)]
+    msgs += [{"role": "assistant", "content": "done"}, {"role": "user", "content": "thanks"}]
+    for budget in range(20, 1200, 37):
+        out = assemble(msgs, budget=budget, count=count, count_text=tok)
+        assert not template_violations(out.messages)
+
+
+def test_stable_mode_keeps_the_window_start_between_cuts() -> None:
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    prefixes = []
+    start = None
+    for i in range(60):
+        msgs += [{"role": "user", "content": f"question {i} " * 15}]
+        out = assemble(
+            msgs, budget=800, count=count, count_text=tok, mode="stable", previous_start=start
+        )
+        assert not template_violations(out.messages) and out.tokens <= 800
+        if out.rewritten:
+            start = out.window_start
+        prefixes.append(json.dumps(out.messages[:-1]))
+        msgs.append({"role": "assistant", "content": f"answer {i} " * 15})
+    # Most turns extend the previous prompt byte for byte: the window moves only at cuts.
+    extended = sum(b.startswith(a[:-1]) for a, b in itertools.pairwise(prefixes))
+    assert extended >= 0.7 * (len(prefixes) - 1)
