@@ -3,7 +3,10 @@
 - :mod:`proxy.store.db` — open a connection through a driver that can load sqlite-vec.
 - :mod:`proxy.store.migrations` — the schema as numbered migrations.
 - :mod:`proxy.store.models` — row dataclasses, message/text hashes, store errors.
-- :mod:`proxy.store.queries` — the SQL, as synchronous functions of a connection.
+- :mod:`proxy.store.rows` — the columns of sessions and turns, and reading them from a row.
+- :mod:`proxy.store.queries` — the SQL of users, sessions and turns, as synchronous functions of
+  a connection (so is every module below that owns tables).
+- :mod:`proxy.store.indexing` — the turns' vectors and their deferred full-text rows.
 - :mod:`proxy.store.search` — FTS5 and vector search (exact or bit-quantised) in one namespace.
 - :mod:`proxy.store.store` — :class:`Store`: writer thread, reader pool, async methods.
 

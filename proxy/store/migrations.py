@@ -51,7 +51,7 @@ Conventions the schema fixes (migration 1):
   is archived); the ``users_ad_slots`` trigger deletes a user's slots with the user instead.
 - Migration 6 (archive first, index after): ``turns.fts_pending`` (0/1). A chat turn is inserted
   with 1 in the transaction that ends its reply, so the insert trigger skips it;
-  :func:`proxy.store.queries.index_deferred` gives it its ``turns_fts`` row (and rewrites its
+  :func:`proxy.store.indexing.index_deferred` gives it its ``turns_fts`` row (and rewrites its
   neighbours' ``ctx``) in the background, as the trigger would have. Partial indexes find the
   turns still waiting for that (``turns_fts_pending``) or for a vector (``turns_unembedded``).
 """
