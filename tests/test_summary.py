@@ -9,9 +9,10 @@ import aiohttp
 import pytest
 
 from proxy.app import MEMORY, STORE
-from proxy.background.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, get_summary, render_turns
+from proxy.background.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, render_turns
 from proxy.chat.prompt import SUMMARY_OPEN
 from proxy.store.models import Turn
+from proxy.store.summaries import get_summary
 from proxy.tokens import TokenCounter
 from tests.conftest import Engram, settle, start_engram
 from tests.fake_chunks import chat_completion, template_violations

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from proxy.app import MEMORY, STORE
-from proxy.background.summarizer import get_summary
 from proxy.chat.prompt import SUMMARY_OPEN
+from proxy.store.summaries import get_summary
 from tests.conftest import settle, start_engram
 from tests.e2e.conftest import CTX, LlamaServer
 from tests.fake_chunks import template_violations
