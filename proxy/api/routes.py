@@ -36,13 +36,14 @@ from aiohttp import web
 
 from proxy.app import CONSOLIDATOR, COUNTERS, MEMORY, RETRIEVER, SETTINGS, SLOTS, STORE
 from proxy.background.feedback import MAX_NOTE_CHARS
-from proxy.background.stats import memory_counts, token_figures
+from proxy.background.stats import token_figures
 from proxy.chat.identity import identify
 from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
 from proxy.jsonl import export_line
 from proxy.search.retrieval import MODES, Hit, Retriever
 from proxy.slots.refs import SLOT_ID
 from proxy.slots.store import Slot, SlotStore
+from proxy.store.counters import memory_counts
 from proxy.store.models import Session, Turn
 from proxy.store.store import Store
 

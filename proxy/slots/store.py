@@ -55,9 +55,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import DataError
 
-from proxy.background.stats import FLUSH_EVERY, add_counters
+from proxy.background.stats import FLUSH_EVERY
 from proxy.config import SlotsSettings
 from proxy.logs import event
+from proxy.store.counters import add_counters, counter_values
 from proxy.store.db import Connection
 from proxy.store.store import Store
 from proxy.tasks import every, stop
@@ -98,14 +99,8 @@ def zero_counts() -> dict[str, dict[str, int]]:
 
 def read_slot_counters(conn: Connection) -> dict[str, dict[str, int]]:
     """The stored slot counters, per backend (zeros for those never written)."""
-    counts = zero_counts()
-    for backend in BACKENDS:
-        for kind in KINDS:
-            row = conn.execute(
-                "SELECT value FROM counters WHERE name = ?", (counter_name(backend, kind),)
-            ).fetchone()
-            counts[backend][kind] = int(row[0]) if row else 0
-    return counts
+    stored = counter_values(conn, [counter_name(b, k) for b in BACKENDS for k in KINDS])
+    return {b: {k: stored[counter_name(b, k)] for k in KINDS} for b in BACKENDS}
 
 
 # --- the embedded backend: the slots table ------------------------------------------------------
