@@ -54,6 +54,7 @@ from proxy.store.feedback import (
     pending_requests,
     queue_counts,
 )
+from proxy.store.items import fact_texts
 from proxy.store.models import RECALLED_ROLES, Turn
 from proxy.store.store import Store
 
@@ -117,13 +118,6 @@ def facts_session(conn: Connection, user_id: str, now: float) -> str:
         now=now,
     )
     return sid
-
-
-def fact_keys(conn: Connection, session_id: str) -> set[tuple[str, str]]:
-    rows = conn.execute(
-        "SELECT speaker, content FROM turns WHERE session_id = ? AND role = 'fact'", (session_id,)
-    )
-    return {(normal(str(r[0] or "")), normal(str(r[1]))) for r in rows}
 
 
 def best_source(fact: Fact, turns: Sequence[Turn]) -> Turn | None:
@@ -315,7 +309,8 @@ class Consolidator:
             if target is not None
             else await self.store.write(lambda c: facts_session(c, user_id, now))
         )
-        known = await self.store.read(lambda c: fact_keys(c, sid))
+        texts = await self.store.read(lambda c: fact_texts(c, sid))
+        known = {(normal(speaker), normal(content)) for speaker, content in texts}
         stored = 0
         for fact in facts:
             key = (normal(fact.subject), normal(fact.content()))
