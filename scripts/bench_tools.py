@@ -73,8 +73,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from proxy.app import MEMORY  # noqa: E402
 from proxy.config import SlotsSettings  # noqa: E402
+from proxy.slots.model import Slot  # noqa: E402
 from proxy.slots.refs import references, slot_id  # noqa: E402
-from proxy.slots.store import Slot, SlotStore  # noqa: E402
+from proxy.slots.store import SlotStore  # noqa: E402
 from proxy.store.store import Store  # noqa: E402
 from proxy.tokens import TokenCounter, load_encoder  # noqa: E402
 from tests.conftest import Engram, settle, start_engram  # noqa: E402

@@ -41,8 +41,9 @@ from proxy.chat.identity import identify
 from proxy.errors import BadRequest, EngramError, Forbidden, NotFound
 from proxy.jsonl import export_line
 from proxy.search.retrieval import MODES, Hit, Retriever
+from proxy.slots.model import Slot
 from proxy.slots.refs import SLOT_ID
-from proxy.slots.store import Slot, SlotStore
+from proxy.slots.store import SlotStore
 from proxy.store.counters import memory_counts
 from proxy.store.models import Session, Turn
 from proxy.store.store import Store

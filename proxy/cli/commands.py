@@ -28,7 +28,8 @@ from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.redact import redact
 from proxy.search.embedder import Embedder, from_settings
 from proxy.search.retrieval import Retriever
-from proxy.slots.store import forget_redis_user, offline_stats
+from proxy.slots.redis import forget_redis_user
+from proxy.slots.store import offline_stats
 from proxy.store.counters import memory_counts
 from proxy.store.store import Store
 
