@@ -10,7 +10,18 @@
 - :mod:`proxy.store.search` — FTS5 and vector search (exact or bit-quantised) in one namespace.
 - :mod:`proxy.store.store` — :class:`Store`: writer thread, reader pool, async methods.
 
-The store knows nothing of where vectors come from; it stores and searches them.
+The tables of the stages above, each module the SQL of what it owns (run through
+:meth:`Store.read` / :meth:`Store.write`):
+
+- :mod:`proxy.store.items` — memory items (hand-backs, facts) in ``turns``.
+- :mod:`proxy.store.subagents` — when sub-agent sessions were completed.
+- :mod:`proxy.store.summaries` — ``summaries``: one rolling summary per session.
+- :mod:`proxy.store.feedback` — ``requests``, ``feedback``, ``consolidation_queue``.
+- :mod:`proxy.store.counters` — ``counters``, and the memory loop's counts.
+- :mod:`proxy.store.slots` — ``slots``: the embedded tool-result slot backend.
+
+All SQL lives in this package. The store knows nothing of where vectors come from; it stores
+and searches them.
 """
 
 from proxy.store.db import DbInfo, connect, describe

@@ -12,8 +12,9 @@ Public surface (all ``async`` except the constructor)::
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
           fts_weights=FTS_WEIGHTS)         bm25 weights of turns_fts (body, ctx, date)
     open() / close()  (or ``async with Store(...) as store``)
-    read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (for the
-                                modules that bring their own tables: summaries, slots, facts…)
+    read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (callers
+                                pass the functions of proxy.store's table modules: feedback,
+                                summaries, slots, counters, items…)
     ensure_user(user_id)
     get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
                           fingerprint=None, indexed=None, max_level=None) -> Session
