@@ -68,8 +68,9 @@ import aiohttp
 from bench.common import machine, machine_lines, pct
 from proxy.config import SlotsSettings
 from proxy.services import SERVICES
+from proxy.slots.model import Slot
 from proxy.slots.refs import references, slot_id
-from proxy.slots.store import Slot, SlotStore
+from proxy.slots.store import SlotStore
 from proxy.store.store import Store
 from proxy.tokens import TokenCounter, load_encoder
 from testing.fake_chunks import chat_chunks, chat_completion
@@ -78,7 +79,6 @@ from testing.harness import Engram, settle, start_engram
 from testing.redis_server import RedisServer, find_redis_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 
 Count = Callable[[str], int]
 Message = dict[str, Any]

@@ -48,12 +48,13 @@ from proxy.api.views import (
     slot_json,
     turn_json,
 )
-from proxy.background.stats import memory_counts, token_figures
+from proxy.background.stats import token_figures
 from proxy.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
 from proxy.jsonl import export_line
 from proxy.services import SERVICES, MemoryParts
 from proxy.slots.refs import SLOT_ID
 from proxy.slots.store import SlotStore
+from proxy.store.counters import memory_counts
 from proxy.store.store import Store
 
 PREFIX = "/engram/api"

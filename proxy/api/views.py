@@ -11,7 +11,7 @@ from proxy.background.feedback import MAX_NOTE_CHARS
 from proxy.chat.identity import identify
 from proxy.errors import BadRequest, NotFound, ServiceUnavailable
 from proxy.search.retrieval import MODES, Hit, Retriever
-from proxy.slots.store import Slot
+from proxy.slots.model import Slot
 from proxy.store.models import Session, Turn
 from proxy.store.store import Store
 

@@ -35,7 +35,7 @@ from proxy.background.facts import (
     parse_facts,
     render_excerpts,
 )
-from proxy.background.feedback import Feedback, RecordedRequest, get_request, queue_counts
+from proxy.background.feedback import Feedback
 from proxy.background.items import add_item
 from proxy.background.summarizer import Summarizer, budgeted_call
 from proxy.config import Settings
@@ -45,6 +45,16 @@ from proxy.search.fts_query import tokens as word_tokens
 from proxy.search.retrieval import Retriever
 from proxy.store import queries
 from proxy.store.db import Connection
+from proxy.store.feedback import (
+    RecordedRequest,
+    feedback_notes,
+    get_request,
+    mark_done,
+    mark_failed_try,
+    pending_requests,
+    queue_counts,
+)
+from proxy.store.items import fact_texts
 from proxy.store.models import RECALLED_ROLES, Turn
 from proxy.store.store import Store
 
@@ -66,49 +76,6 @@ class PassReport:
 
 
 # --- SQL -----------------------------------------------------------------------------------------
-
-
-def pending(conn: Connection, user_id: str | None, limit: int) -> list[tuple[str, str]]:
-    """(request id, user) of queued requests, oldest first."""
-    sql = "SELECT request_id, user_id FROM consolidation_queue WHERE status = 'pending'"
-    args: list[object] = []
-    if user_id is not None:
-        sql += " AND user_id = ?"
-        args.append(user_id)
-    rows = conn.execute(sql + " ORDER BY updated_at, request_id LIMIT ?", [*args, limit])
-    return [(str(r[0]), str(r[1])) for r in rows]
-
-
-def mark_done(conn: Connection, request_id: str, facts: int, note: str | None = None) -> None:
-    conn.execute(
-        "UPDATE consolidation_queue SET status = 'done', facts = ?, error = ?,"
-        " attempts = attempts + 1, updated_at = ? WHERE request_id = ?",
-        (facts, note, time.time(), request_id),
-    )
-
-
-def mark_failed_try(conn: Connection, request_id: str, error: str, max_attempts: int) -> str:
-    """Count a failed try; the request fails for good after ``max_attempts``. Returns the
-    status it is left in."""
-    conn.execute(
-        "UPDATE consolidation_queue SET attempts = attempts + 1, error = ?, updated_at = ?,"
-        " status = CASE WHEN attempts + 1 >= ? THEN 'failed' ELSE 'pending' END"
-        " WHERE request_id = ?",
-        (error[:500], time.time(), max_attempts, request_id),
-    )
-    row = conn.execute(
-        "SELECT status FROM consolidation_queue WHERE request_id = ?", (request_id,)
-    ).fetchone()
-    return str(row[0]) if row else "failed"
-
-
-def feedback_notes(conn: Connection, request_id: str) -> list[str]:
-    rows = conn.execute(
-        "SELECT note FROM feedback WHERE request_id = ? AND helpful = 0 AND note IS NOT NULL"
-        " AND note != '' ORDER BY id",
-        (request_id,),
-    )
-    return [str(r[0]) for r in rows]
 
 
 def neighbourhoods(conn: Connection, hits: Sequence[Turn], n: int) -> list[Turn]:
@@ -151,13 +118,6 @@ def facts_session(conn: Connection, user_id: str, now: float) -> str:
         now=now,
     )
     return sid
-
-
-def fact_keys(conn: Connection, session_id: str) -> set[tuple[str, str]]:
-    rows = conn.execute(
-        "SELECT speaker, content FROM turns WHERE session_id = ? AND role = 'fact'", (session_id,)
-    )
-    return {(normal(str(r[0] or "")), normal(str(r[1]))) for r in rows}
 
 
 def best_source(fact: Fact, turns: Sequence[Turn]) -> Turn | None:
@@ -251,7 +211,9 @@ class Consolidator:
         report = PassReport()
         async with self._lock:
             batch = self.settings.consolidation.batch
-            for request_id, owner in await self.store.read(lambda c: pending(c, user_id, batch)):
+            for request_id, owner in await self.store.read(
+                lambda c: pending_requests(c, user_id, batch)
+            ):
                 outcome, facts = await self._one(request_id, owner)
                 if outcome == "waiting":
                     report.waiting = (await self.store.read(lambda c: queue_counts(c, user_id)))[
@@ -347,7 +309,8 @@ class Consolidator:
             if target is not None
             else await self.store.write(lambda c: facts_session(c, user_id, now))
         )
-        known = await self.store.read(lambda c: fact_keys(c, sid))
+        texts = await self.store.read(lambda c: fact_texts(c, sid))
+        known = {(normal(speaker), normal(content)) for speaker, content in texts}
         stored = 0
         for fact in facts:
             key = (normal(fact.subject), normal(fact.content()))

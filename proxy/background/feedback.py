@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -28,8 +27,13 @@ from proxy.config import Settings
 from proxy.errors import NotFound
 from proxy.logs import event
 from proxy.redact import redact
-from proxy.store import queries
-from proxy.store.db import Connection
+from proxy.store.feedback import (
+    RecordedRequest,
+    add_feedback,
+    get_request,
+    insert_request,
+    prune_requests,
+)
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
 
@@ -38,20 +42,6 @@ log = logging.getLogger("engram.feedback")
 MAX_QUERY_CHARS = 4000
 MAX_NOTE_CHARS = 4000
 PRUNE_EVERY = 500  # requests recorded between two prunes
-STATUSES = ("pending", "done", "failed")
-
-
-@dataclass(frozen=True)
-class RecordedRequest:
-    """One row of ``requests``."""
-
-    id: str
-    user_id: str
-    session_id: str | None
-    model: str | None
-    query: str
-    memory_ids: list[int]
-    created_at: float
 
 
 @dataclass(frozen=True)
@@ -59,98 +49,6 @@ class FeedbackResult:
     request_id: str
     helpful: bool
     queued: bool  # whether the request is (now) waiting for consolidation
-
-
-# --- SQL -----------------------------------------------------------------------------------------
-
-
-def insert_request(conn: Connection, r: RecordedRequest) -> None:
-    queries.ensure_user(conn, r.user_id, r.created_at)
-    session = r.session_id
-    if session is not None and queries.get_session(conn, session) is None:
-        session = None  # deleted in the meantime: keep the record, lose the link
-    conn.execute(
-        "INSERT INTO requests(id, user_id, session_id, model, query, memory_ids, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO NOTHING",
-        (r.id, r.user_id, session, r.model, r.query, json.dumps(r.memory_ids), r.created_at),
-    )
-
-
-def get_request(conn: Connection, request_id: str) -> RecordedRequest | None:
-    row = conn.execute(
-        "SELECT id, user_id, session_id, model, query, memory_ids, created_at FROM requests"
-        " WHERE id = ?",
-        (request_id,),
-    ).fetchone()
-    if row is None:
-        return None
-    ids = json.loads(row[5])
-    return RecordedRequest(
-        str(row[0]),
-        str(row[1]),
-        row[2],
-        row[3],
-        str(row[4]),
-        [int(i) for i in ids if isinstance(i, int)],
-        float(row[6]),
-    )
-
-
-def add_feedback(
-    conn: Connection,
-    request: RecordedRequest,
-    helpful: bool,
-    source: str,
-    note: str | None,
-    now: float,
-) -> bool:
-    """Record the feedback; a flag queues the request (again, if it was done or failed).
-    Returns whether the request is waiting for consolidation now."""
-    conn.execute(
-        "INSERT INTO feedback(request_id, user_id, helpful, source, note, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?)",
-        (request.id, request.user_id, int(helpful), source, note, now),
-    )
-    if helpful:
-        row = conn.execute(
-            "SELECT status FROM consolidation_queue WHERE request_id = ?", (request.id,)
-        ).fetchone()
-        return row is not None and row[0] == "pending"
-    conn.execute(
-        "INSERT INTO consolidation_queue(request_id, user_id, status, attempts, created_at,"
-        " updated_at) VALUES (?, ?, 'pending', 0, ?, ?) ON CONFLICT(request_id) DO UPDATE SET"
-        " status = 'pending', attempts = 0, error = NULL, updated_at = excluded.updated_at"
-        " WHERE consolidation_queue.status != 'pending'",
-        (request.id, request.user_id, now, now),
-    )
-    return True
-
-
-def prune_requests(conn: Connection, keep_per_user: int, older_than: float) -> int:
-    """Drop requests past the retention bounds (feedback and queue rows go with them), except
-    those still waiting for consolidation. Returns how many went."""
-    waiting = "SELECT request_id FROM consolidation_queue WHERE status = 'pending'"
-    gone = conn.execute(
-        f"DELETE FROM requests WHERE created_at < ? AND id NOT IN ({waiting})", (older_than,)
-    ).rowcount
-    gone += conn.execute(
-        "DELETE FROM requests WHERE rowid IN (SELECT rowid FROM (SELECT rowid, row_number()"
-        " OVER (PARTITION BY user_id ORDER BY created_at DESC, rowid DESC) AS n FROM requests)"
-        f" WHERE n > ?) AND id NOT IN ({waiting})",
-        (keep_per_user,),
-    ).rowcount
-    return int(gone)
-
-
-def queue_counts(conn: Connection, user_id: str | None = None) -> dict[str, int]:
-    sql = "SELECT status, count(*) FROM consolidation_queue"
-    args: tuple[Any, ...] = ()
-    if user_id is not None:
-        sql, args = sql + " WHERE user_id = ?", (user_id,)
-    counts = dict.fromkeys(STATUSES, 0)
-    for status, n in conn.execute(sql + " GROUP BY status", args):
-        counts[str(status)] = int(n)
-    return counts
 
 
 # --- the service ---------------------------------------------------------------------------------

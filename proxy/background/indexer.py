@@ -4,7 +4,7 @@ A chat turn's messages and reply are archived (their rows alone) in the one writ
 that ends the reply, before its last byte reaches the client: that is what makes an answered turn
 survive a crash, and what the next request's session placement reads. Indexing is the slow part,
 so it happens here, afterwards, in tracked background tasks: the full-text row (with the
-neighbours' ``ctx`` rewrite, :func:`proxy.store.queries.index_deferred`), then the vector. The
+neighbours' ``ctx`` rewrite, :func:`proxy.store.indexing.index_deferred`), then the vector. The
 turns table is the journal: a turn with ``fts_pending = 1`` or ``embed_hash IS NULL`` still waits,
 and :meth:`Indexer.replay` finishes every such turn when Engram starts (after a crash, or turns
 stored while the embedder was down), oldest first, in batches.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from proxy.logs import event
 from proxy.search.embedder import Embedder
-from proxy.store import queries
+from proxy.store import indexing
 from proxy.store.models import NewTurn, embed_text, text_hash
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
@@ -45,7 +45,7 @@ class Indexer:
 
     async def _index(self, rows: Sequence[tuple[int, NewTurn]]) -> None:
         ids = [turn_id for turn_id, _ in rows]
-        self.indexed += await self.store.write(lambda c: queries.index_deferred(c, ids))
+        self.indexed += await self.store.write(lambda c: indexing.index_deferred(c, ids))
         items = [
             (turn_id, embed_text(r.role, r.speaker, r.content))
             for turn_id, r in rows
@@ -76,8 +76,8 @@ class Indexer:
         """Index every archived turn still waiting: full text, then vectors; returns how many
         turns got either."""
         indexed = 0
-        while ids := await self.store.read(lambda c: queries.pending_index_ids(c, batch * 8)):
-            done = await self.store.write(lambda c: queries.index_deferred(c, ids))
+        while ids := await self.store.read(lambda c: indexing.pending_index_ids(c, batch * 8)):
+            done = await self.store.write(lambda c: indexing.index_deferred(c, ids))
             if not done:
                 break  # nothing moved: never loop on the same ids
             indexed += done

@@ -2,12 +2,13 @@
 
 Token figures (proxied, spent on summaries, spent on consolidation) are counted in the memory of
 the running server (:class:`proxy.background.summarizer.Summarizer`,
-:class:`proxy.background.consolidation.
-Consolidator`). :class:`Counters` keeps them in the ``counters`` table: it adds what each server
-counted since its last write (every ``FLUSH_EVERY`` seconds and at shutdown), so several servers
-on one database add up, and a server starts from the totals, so the budgets hold across restarts.
+:class:`proxy.background.consolidation.Consolidator`). :class:`Counters` keeps them in the
+``counters`` table (:mod:`proxy.store.counters`): it adds what each server counted since its last
+write (every ``FLUSH_EVERY`` seconds and at shutdown), so several servers on one database add up,
+and a server starts from the totals, so the budgets hold across restarts.
 ``engram stats`` reads the table (up to ``FLUSH_EVERY`` seconds behind a running server).
-Everything else (hand-backs, facts, feedback, the queue) is counted in the database itself.
+Everything else (hand-backs, facts, feedback, the queue) is counted in the database itself
+(:func:`proxy.store.counters.memory_counts`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from proxy.background.feedback import queue_counts
 from proxy.config import Settings
+from proxy.store.counters import add_counters, all_counters
 from proxy.store.db import Connection
 from proxy.store.store import Store
 
@@ -29,18 +30,8 @@ FLUSH_EVERY = 60.0
 
 
 def read_counters(conn: Connection) -> dict[str, int]:
-    totals = dict.fromkeys(COUNTER_NAMES, 0)
-    for name, value in conn.execute("SELECT name, value FROM counters"):
-        totals[str(name)] = int(value)
-    return totals
-
-
-def add_counters(conn: Connection, deltas: Mapping[str, int]) -> None:
-    conn.executemany(
-        "INSERT INTO counters(name, value) VALUES (?, ?)"
-        " ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
-        [(k, v) for k, v in deltas.items() if v],
-    )
+    """The stored counters, with 0 for the token counters never written."""
+    return all_counters(conn, COUNTER_NAMES)
 
 
 class ProxiedCounter(Protocol):
@@ -105,25 +96,4 @@ def token_figures(totals: Mapping[str, int], settings: Settings) -> dict[str, An
         "consolidation": totals.get(CONSOLIDATION, 0),
         "consolidation_share": share(totals.get(CONSOLIDATION, 0)),
         "consolidation_budget_share": settings.consolidation.budget_share,
-    }
-
-
-def memory_counts(conn: Connection, user_id: str | None = None) -> dict[str, Any]:
-    """Hand-backs, facts, recorded requests, feedback and the queue (one user's, or all)."""
-    where, args = ("", ()) if user_id is None else (" AND user_id = ?", (user_id,))
-
-    def count(sql: str) -> int:
-        return int(conn.execute(sql + where, args).fetchone()[0])
-
-    return {
-        "handbacks": count(
-            "SELECT count(*) FROM turns WHERE role = 'summary' AND source_session IS NOT NULL"
-        ),
-        "facts": count("SELECT count(*) FROM turns WHERE role = 'fact'"),
-        "requests": count("SELECT count(*) FROM requests WHERE 1"),
-        "feedback": {
-            "unhelpful": count("SELECT count(*) FROM feedback WHERE helpful = 0"),
-            "helpful": count("SELECT count(*) FROM feedback WHERE helpful = 1"),
-        },
-        "queue": queue_counts(conn, user_id),
     }

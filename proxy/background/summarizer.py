@@ -22,9 +22,9 @@ import aiohttp
 
 from proxy.config import Settings
 from proxy.logs import event
-from proxy.store.db import Connection
 from proxy.store.models import Turn
 from proxy.store.store import Store
+from proxy.store.summaries import Summary, get_summary, put_summary
 from proxy.tokens import TokenCounter
 from proxy.upstream import Upstream, join_url
 
@@ -50,38 +50,6 @@ UPDATE_TEMPLATE = (
     "Write the updated summary."
 )
 FIRST_TEMPLATE = "Conversation:\n{turns}\n\nSummarise the conversation above."
-
-
-@dataclass(frozen=True)
-class Summary:
-    session_id: str
-    content: str
-    upto: int  # covers the session's turns at positions < upto
-    tokens: int
-    updated_at: float
-
-
-def get_summary(conn: Connection, session_id: str) -> Summary | None:
-    row = conn.execute(
-        "SELECT session_id, content, upto, tokens, updated_at FROM summaries WHERE session_id = ?",
-        (session_id,),
-    ).fetchone()
-    return (
-        None
-        if row is None
-        else Summary(str(row[0]), str(row[1]), int(row[2]), int(row[3]), float(row[4]))
-    )
-
-
-def put_summary(conn: Connection, s: Summary, model: str | None) -> None:
-    conn.execute(
-        "INSERT INTO summaries(session_id, content, upto, tokens, model, updated_at)"
-        " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET"
-        " content = excluded.content, upto = excluded.upto, tokens = excluded.tokens,"
-        " model = excluded.model,"
-        " updated_at = excluded.updated_at",
-        (s.session_id, s.content, s.upto, s.tokens, model, s.updated_at),
-    )
 
 
 def load_prompt(path: str) -> str:

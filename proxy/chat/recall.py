@@ -15,8 +15,6 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from proxy.background.items import session_items
-from proxy.background.summarizer import get_summary
 from proxy.cache import LRU
 from proxy.chat.fence import Recalled
 from proxy.chat.turn import MemoryTurn
@@ -25,8 +23,10 @@ from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
 from proxy.search.retrieval import Hit, Retriever
 from proxy.store import queries
+from proxy.store.items import session_items
 from proxy.store.models import EMBED_CHARS, RECALLED_ROLES, Turn, text_hash
 from proxy.store.store import Store
+from proxy.store.summaries import get_summary
 
 log = logging.getLogger("engram.recall")
 

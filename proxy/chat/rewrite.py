@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proxy.background.summarizer import Summarizer, get_summary
+from proxy.background.summarizer import Summarizer
 from proxy.cache import LRU
 from proxy.chat.fence import Recalled, memory_block
 from proxy.chat.prompt import Assembly, Message, assemble
@@ -29,6 +29,7 @@ from proxy.slots.refs import apply as apply_slots
 from proxy.slots.refs import find as find_outputs
 from proxy.slots.store import SlotStore
 from proxy.store.store import Store
+from proxy.store.summaries import get_summary
 from proxy.tokens import TokenCounter
 
 log = logging.getLogger("engram.rewrite")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from proxy.api import views as api
-from proxy.background.stats import memory_counts, read_counters, token_figures
+from proxy.background.stats import read_counters, token_figures
 from proxy.cli.doctor import database_path, run_doctor
 from proxy.cli.importer import ImportReport, import_records
 from proxy.cli.progress import Progress
@@ -28,7 +28,9 @@ from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.redact import redact
 from proxy.search.embedder import Embedder, from_settings
 from proxy.search.retrieval import Retriever
-from proxy.slots.store import forget_redis_user, offline_stats
+from proxy.slots.redis import forget_redis_user
+from proxy.slots.store import offline_stats
+from proxy.store.counters import memory_counts
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]

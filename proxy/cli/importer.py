@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.background.items import ITEM_ROLES, next_item_position
+from proxy.background.items import ITEM_ROLES
 from proxy.jsonl import (
     LineError,
     Record,
@@ -28,6 +28,7 @@ from proxy.jsonl import (
     parse_record,
 )
 from proxy.search.embedder import Embedder
+from proxy.store.items import next_item_position
 from proxy.store.models import NewTurn, StoreError, embed_text, message_hash, text_hash
 from proxy.store.store import Store
 from proxy.tokens import estimate

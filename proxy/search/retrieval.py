@@ -11,13 +11,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import Embedder
 from proxy.search.fts_query import STOP_WORDS, match_of, query_words
 from proxy.search.fusion import Fused, mmr, rrf
-from proxy.store.db import Connection
+from proxy.store.indexing import turn_vectors
 from proxy.store.models import Turn
 from proxy.store.store import Store
 from proxy.vectors import Vector
@@ -163,15 +161,3 @@ class Retriever:
         )
         by_id = {f.id: f for f in pool}
         return [by_id[i] for i in order]
-
-
-def turn_vectors(conn: Connection, ids: Sequence[int]) -> dict[int, Vector]:
-    """Stored vectors of some turns (point lookups in ``turn_vec``)."""
-    out: dict[int, Vector] = {}
-    for turn_id in ids:
-        row = conn.execute(
-            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
-        ).fetchone()
-        if row is not None:
-            out[turn_id] = np.frombuffer(row[0], dtype=np.float32)
-    return out

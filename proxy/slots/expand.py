@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.slots.model import Slot
 from proxy.slots.refs import REFERENCE, SLOT_ID
-from proxy.slots.store import Slot
 
 log = logging.getLogger("engram.expand")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.messages import content_text
-from proxy.slots.store import Slot
+from proxy.slots.model import Slot
 
 SLOT_ID = re.compile(r"[A-Za-z0-9_.\-]{1,80}")
 REFERENCE = re.compile(rf"\[TOOL_RESULT:({SLOT_ID.pattern})\]")

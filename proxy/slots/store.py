@@ -1,19 +1,14 @@
 """Where tool-result slots live, and how they stay usable when Redis goes away.
 
 Engram replaces bulky tool outputs in forwarded prompts by ``[TOOL_RESULT:<id>]`` references and
-keeps each output in a *slot*, read back by the expansion tool and by
-``GET /engram/api/slots/{id}``. A slot belongs to one user namespace: the same id under another
-user is another slot, or none.
+keeps each output in a *slot* (:class:`proxy.slots.model.Slot`), read back by the expansion tool
+and by ``GET /engram/api/slots/{id}``. A slot belongs to one user namespace: the same id under
+another user is another slot, or none.
 
-Two backends with the same semantics:
-
-- **redis** (``slots.redis_url`` set): one hash per slot at
-  ``{redis_key_prefix}:{sha256(user)[:16]}:{id}`` (fields content, tool, tokens, description,
-  bytes, created). Every command is bounded by ``slots.redis_timeout`` (socket timeouts, no
-  client-side retries, and ``asyncio.wait_for`` around each round trip).
-- **embedded**: the ``slots`` table of the SQLite file (migration 5), reached only through
-  :meth:`Store.read` / :meth:`Store.write`, so SQLite never runs on the event loop. Forgetting a
-  user deletes their rows (trigger ``users_ad_slots``).
+Two backends with the same semantics: :mod:`proxy.slots.redis` (``slots.redis_url`` set; one
+hash per slot, every command bounded by ``slots.redis_timeout``) and :mod:`proxy.slots.embedded`
+(the ``slots`` table of the SQLite file). :class:`SlotStore`, here, is what the app uses: it
+chooses between them, fails over, and counts.
 
 TTL: a slot lives ``slots.ttl_seconds`` after it was last stored or read. Redis expires keys
 itself; the embedded store ignores rows past ``expires_at`` and a purge task deletes them every
@@ -34,35 +29,31 @@ a slot that a ``get`` did not find leaves it.
 
 Counters (puts, hits, misses, errors per backend) are kept in memory and added to the ``counters``
 table (names ``slots_<backend>_<kind>``) every :data:`proxy.background.stats.FLUSH_EVERY` seconds
-and at
-:meth:`SlotStore.close`, so ``engram stats`` can show them without a server. A hit counts against
-the backend that had the slot; a miss (unknown or expired everywhere) against the backend in use.
+and at :meth:`SlotStore.close`, so ``engram stats`` can show them without a server
+(:func:`offline_stats`). A hit counts against the backend that had the slot; a miss (unknown or
+expired everywhere) against the backend in use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import re
 import time
-from collections.abc import Awaitable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import DataError
 
-from proxy.background.stats import FLUSH_EVERY, add_counters
+from proxy.background.stats import FLUSH_EVERY
 from proxy.config import SlotsSettings
 from proxy.logs import event
+from proxy.slots.embedded import EmbeddedSlots
+from proxy.slots.model import Slot
+from proxy.slots.redis import RedisSlots, open_redis, redis_figures_once
+from proxy.store.counters import add_counters, counter_values
 from proxy.store.db import Connection
 from proxy.store.store import Store
 from proxy.tasks import every, stop
-
-T = TypeVar("T")
 
 log = logging.getLogger("engram.slots")
 
@@ -73,18 +64,6 @@ CONFIRM_MAX_S = 60.0
 """A slot confirmed on the current backend this recently (or ttl/10, if less) is not re-put."""
 MAX_CONFIRMED = 100_000
 """Bound on the confirmed-slot cache; stale entries go first, then everything."""
-SCAN_BATCH = 1000
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One stored tool output. ``id`` is deterministic (see :mod:`proxy.slots.refs`)."""
-
-    id: str
-    tool: str
-    content: str
-    tokens: int
-    description: str
 
 
 def counter_name(backend: str, kind: str) -> str:
@@ -98,220 +77,8 @@ def zero_counts() -> dict[str, dict[str, int]]:
 
 def read_slot_counters(conn: Connection) -> dict[str, dict[str, int]]:
     """The stored slot counters, per backend (zeros for those never written)."""
-    counts = zero_counts()
-    for backend in BACKENDS:
-        for kind in KINDS:
-            row = conn.execute(
-                "SELECT value FROM counters WHERE name = ?", (counter_name(backend, kind),)
-            ).fetchone()
-            counts[backend][kind] = int(row[0]) if row else 0
-    return counts
-
-
-# --- the embedded backend: the slots table ------------------------------------------------------
-
-
-def _upsert(conn: Connection, user: str, slots: Sequence[Slot], now: float, ttl: float) -> None:
-    conn.executemany(
-        "INSERT INTO slots(user_id, id, tool, description, content, tokens, bytes, created_at,"
-        " expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT(user_id, id) DO UPDATE SET tool = excluded.tool,"
-        " description = excluded.description, content = excluded.content,"
-        " tokens = excluded.tokens, bytes = excluded.bytes, expires_at = excluded.expires_at,"
-        " created_at = iif(slots.expires_at <= excluded.created_at, excluded.created_at,"
-        " slots.created_at)",
-        [
-            (
-                user,
-                s.id,
-                s.tool,
-                s.description,
-                s.content,
-                s.tokens,
-                len(s.content.encode("utf-8", "surrogatepass")),
-                now,
-                now + ttl,
-            )
-            for s in slots
-        ],
-    )
-
-
-def _take(conn: Connection, user: str, slot_id: str, now: float, ttl: float) -> Slot | None:
-    """The unexpired slot with its expiry pushed to ``now + ttl``, or None."""
-    row = conn.execute(
-        "UPDATE slots SET expires_at = ? WHERE user_id = ? AND id = ? AND expires_at > ?"
-        " RETURNING id, tool, content, tokens, description",
-        (now + ttl, user, slot_id, now),
-    ).fetchone()
-    if row is None:
-        return None
-    return Slot(id=row[0], tool=row[1], content=row[2], tokens=int(row[3]), description=row[4])
-
-
-def _purge(conn: Connection, now: float) -> int:
-    return conn.execute("DELETE FROM slots WHERE expires_at <= ?", (now,)).rowcount
-
-
-def _figures(conn: Connection, now: float) -> tuple[int, int]:
-    row = conn.execute(
-        "SELECT count(*), coalesce(sum(bytes), 0) FROM slots WHERE expires_at > ?", (now,)
-    ).fetchone()
-    return int(row[0]), int(row[1])
-
-
-def _forget(conn: Connection, user: str) -> int:
-    return conn.execute("DELETE FROM slots WHERE user_id = ?", (user,)).rowcount
-
-
-class EmbeddedSlots:
-    """Slots in the SQLite file, through the store's reader threads and writer thread."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    async def put(self, user: str, slots: Sequence[Slot], ttl: float) -> None:
-        now = time.time()
-        await self.store.write(lambda c: _upsert(c, user, slots, now, ttl))
-
-    async def get(self, user: str, slot_id: str, ttl: float) -> Slot | None:
-        now = time.time()
-        return await self.store.write(lambda c: _take(c, user, slot_id, now, ttl))
-
-    async def purge(self) -> int:
-        now = time.time()
-        return await self.store.write(lambda c: _purge(c, now))
-
-    async def figures(self) -> tuple[int, int]:
-        """(slots, bytes) not expired."""
-        now = time.time()
-        return await self.store.read(lambda c: _figures(c, now))
-
-    async def forget(self, user: str) -> int:
-        return await self.store.write(lambda c: _forget(c, user))
-
-
-# --- the Redis backend --------------------------------------------------------------------------
-
-
-def user_namespace(prefix: str, user: str) -> str:
-    """The key prefix of one user's slots: ``{prefix}:{sha256(user)[:16]}``."""
-    return f"{prefix}:{hashlib.sha256(user.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
-
-
-def glob_escape(text: str) -> str:
-    """``text`` as a literal in a Redis ``MATCH`` pattern."""
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-class RedisSlots:
-    """Slots as Redis hashes with a TTL; every round trip bounded by ``timeout`` seconds."""
-
-    def __init__(self, url: str, prefix: str, timeout: float) -> None:
-        self.prefix = prefix
-        self.timeout = timeout
-        self.client: Redis = Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
-
-    def key(self, user: str, slot_id: str) -> str:
-        return f"{user_namespace(self.prefix, user)}:{slot_id}"
-
-    async def _bounded(self, aw: Awaitable[T]) -> T:
-        return await asyncio.wait_for(aw, self.timeout)
-
-    async def ping(self) -> None:
-        await self._bounded(self.client.ping())
-
-    async def put(self, user: str, slots: Sequence[Slot], ttl: int) -> None:
-        now = time.time()
-        async with self.client.pipeline(transaction=True) as pipe:
-            for s in slots:
-                key = self.key(user, s.id)
-                pipe.hset(
-                    key,
-                    mapping={
-                        "content": s.content,
-                        "tool": s.tool,
-                        "tokens": s.tokens,
-                        "description": s.description,
-                        "bytes": len(s.content.encode("utf-8", "surrogatepass")),
-                    },
-                )
-                pipe.hsetnx(key, "created", now)
-                pipe.expire(key, ttl)
-            await self._bounded(pipe.execute())
-
-    async def get(self, user: str, slot_id: str, ttl: int) -> Slot | None:
-        """The slot with its TTL reset to ``ttl``, or None."""
-        key = self.key(user, slot_id)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(key)
-            pipe.expire(key, ttl)
-            fields, _ = await self._bounded(pipe.execute())
-        if not fields or "content" not in fields:
-            return None
-        return Slot(
-            id=slot_id,
-            tool=fields.get("tool", ""),
-            content=fields["content"],
-            tokens=int(fields.get("tokens") or 0),
-            description=fields.get("description", ""),
-        )
-
-    async def _scan(self, pattern: str) -> list[list[str]]:
-        """Batches of the keys matching ``pattern``."""
-        batches: list[list[str]] = []
-        cursor = 0
-        while True:
-            cursor, keys = await self._bounded(
-                self.client.scan(cursor, match=pattern, count=SCAN_BATCH)
-            )
-            if keys:
-                batches.append([k if isinstance(k, str) else k.decode() for k in keys])
-            if cursor == 0:
-                return batches
-
-    async def figures(self) -> tuple[int, int]:
-        """(slots, bytes) of every user's slots."""
-        slots = size = 0
-        for keys in await self._scan(f"{glob_escape(self.prefix)}:*"):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.hget(key, "bytes")
-                values = await self._bounded(pipe.execute())
-            for value in values:
-                if value is not None:  # not expired since the SCAN
-                    slots += 1
-                    size += int(value)
-        return slots, size
-
-    async def forget(self, user: str) -> int:
-        deleted = 0
-        for keys in await self._scan(f"{glob_escape(user_namespace(self.prefix, user))}:*"):
-            deleted += int(await self._bounded(self.client.unlink(*keys)))
-        return deleted
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
-def open_redis(settings: SlotsSettings) -> RedisSlots | None:
-    """The Redis backend of ``settings``; None (with an error logged) for an unusable URL."""
-    try:
-        return RedisSlots(settings.redis_url, settings.redis_key_prefix, settings.redis_timeout)
-    except Exception as exc:
-        event(
-            log,
-            logging.ERROR,
-            "slots.redis_url is not a usable Redis URL; tool-result slots stay in the SQLite file",
-            error=str(exc),
-        )
-        return None
+    stored = counter_values(conn, [counter_name(b, k) for b in BACKENDS for k in KINDS])
+    return {b: {k: stored[counter_name(b, k)] for k in KINDS} for b in BACKENDS}
 
 
 def describe(exc: BaseException) -> str:
@@ -647,7 +414,7 @@ async def offline_stats(settings: SlotsSettings, store: Store) -> dict[str, Any]
         EMBEDDED: {"slots": slots, "bytes": size, **counts[EMBEDDED]},
     }
     if settings.redis_url:
-        figures = await _redis_figures_once(settings)
+        figures = await redis_figures_once(settings)
         out[REDIS] = {
             "up": figures is not None,
             "slots": figures[0] if figures else None,
@@ -657,28 +424,3 @@ async def offline_stats(settings: SlotsSettings, store: Store) -> dict[str, Any]
         if figures is not None:
             out["backend"] = REDIS
     return out
-
-
-async def _redis_figures_once(settings: SlotsSettings) -> tuple[int, int] | None:
-    redis = open_redis(settings)
-    if redis is None:
-        return None
-    try:
-        return await redis.figures()
-    except Exception:
-        return None
-    finally:
-        await redis.aclose()
-
-
-async def forget_redis_user(settings: SlotsSettings, user: str) -> int | None:
-    """Delete ``user``'s slots from the configured Redis; how many, None when unreachable."""
-    redis = open_redis(settings) if settings.redis_url else None
-    if redis is None:
-        return None
-    try:
-        return await redis.forget(user)
-    except Exception:
-        return None
-    finally:
-        await redis.aclose()

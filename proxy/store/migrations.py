@@ -43,15 +43,15 @@ Conventions the schema fixes (migration 1):
   background), ``feedback`` and ``consolidation_queue`` hang off them by ``request_id``
   (cascade), ``counters`` holds running token totals, and the ``sessions_ad_facts`` trigger
   deletes the facts (``role = 'fact'``) whose ``source_session`` is deleted.
-- Migration 5 (tool-result slots, embedded backend of :mod:`proxy.slots.store`): ``slots`` holds
-  one row per ``(user_id, id)`` with the tool output and its ``expires_at`` (REAL Unix seconds;
-  a row past it is expired: never read, deleted by the periodic purge). It is an ordinary rowid
-  table, not ``WITHOUT ROWID``: tool outputs are large rows, which ``WITHOUT ROWID`` tables
-  store badly. ``user_id`` has no foreign key (a slot may be stored before its user's first turn
-  is archived); the ``users_ad_slots`` trigger deletes a user's slots with the user instead.
+- Migration 5 (tool-result slots, :mod:`proxy.slots.embedded`, SQL in :mod:`proxy.store.slots`):
+  ``slots`` holds one row per ``(user_id, id)`` with the tool output and its ``expires_at`` (REAL
+  Unix seconds; a row past it is expired: never read, deleted by the periodic purge). It is an
+  ordinary rowid table, not ``WITHOUT ROWID``: tool outputs are large rows, which ``WITHOUT ROWID``
+  tables store badly. ``user_id`` has no foreign key (a slot may be stored before its user's first
+  turn is archived); the ``users_ad_slots`` trigger deletes a user's slots with the user instead.
 - Migration 6 (archive first, index after): ``turns.fts_pending`` (0/1). A chat turn is inserted
   with 1 in the transaction that ends its reply, so the insert trigger skips it;
-  :func:`proxy.store.queries.index_deferred` gives it its ``turns_fts`` row (and rewrites its
+  :func:`proxy.store.indexing.index_deferred` gives it its ``turns_fts`` row (and rewrites its
   neighbours' ``ctx``) in the background, as the trigger would have. Partial indexes find the
   turns still waiting for that (``turns_fts_pending``) or for a vector (``turns_unembedded``).
 """

@@ -1,20 +1,23 @@
-"""The store's SQL, as plain synchronous functions of a connection.
+"""The SQL of users, sessions and turns, as plain synchronous functions of a connection.
 
 :class:`proxy.store.store.Store` runs these on its writer thread (functions that write, each
 inside one transaction the caller opened) or its reader threads. Keeping them free of threads and
-asyncio keeps them easy to read and to test on a bare connection.
+asyncio keeps them easy to read and to test on a bare connection. The other tables' SQL lives
+beside this module, one module per owner (see :mod:`proxy.store`); the turns' vectors and deferred
+full-text rows are in :mod:`proxy.store.indexing`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from proxy.store.db import Connection
-from proxy.store.migrations import EMBED_DIM, applied_versions, fts_reindex_sql
+from proxy.store.indexing import insert_vector
+from proxy.store.migrations import applied_versions
 from proxy.store.models import (
     NewTurn,
     Session,
@@ -25,51 +28,8 @@ from proxy.store.models import (
     Turn,
     text_hash,
 )
-from proxy.vectors import Vector, as_vector, from_blob, to_blob
-
-_SESSION_COLS = "id, user_id, parent_id, level, agent, created_at, last_seen, fingerprint, indexed"
-_TURN_COLS = (
-    "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
-    "timestamp, token_count, content_hash, incomplete"
-)
-_TURN_COLS_T = ", ".join(f"t.{c.strip()}" for c in _TURN_COLS.split(","))
-
-
-def _session(row: Sequence[Any]) -> Session:
-    return Session(
-        id=row[0],
-        user_id=row[1],
-        parent_id=row[2],
-        level=row[3],
-        agent=row[4],
-        created_at=row[5],
-        last_seen=row[6],
-        fingerprint=row[7],
-        indexed=bool(row[8]),
-    )
-
-
-def _turn(row: Sequence[Any]) -> Turn:
-    return Turn(
-        id=row[0],
-        session_id=row[1],
-        user_id=row[2],
-        position=row[3],
-        role=row[4],
-        speaker=row[5],
-        content=row[6],
-        tool_calls=json.loads(row[7]) if row[7] is not None else None,
-        tool_call_id=row[8],
-        timestamp=row[9],
-        token_count=row[10],
-        content_hash=row[11],
-        incomplete=bool(row[12]),
-    )
-
-
-def json_list(values: Iterable[Any]) -> str:
-    return json.dumps(list(values))
-
+from proxy.store.rows import SESSION_COLS, TURN_COLS, TURN_COLS_T, json_list, session_of, turn_of
+from proxy.vectors import Vector
 
 # -- users and sessions ---------------------------------------------------------------------
 
@@ -83,9 +43,9 @@ def ensure_user(conn: Connection, user_id: str, now: float) -> None:
 
 def get_session(conn: Connection, session_id: str) -> Session | None:
     row = conn.execute(
-        f"SELECT {_SESSION_COLS} FROM sessions WHERE id = ?", (session_id,)
+        f"SELECT {SESSION_COLS} FROM sessions WHERE id = ?", (session_id,)
     ).fetchone()
-    return _session(row) if row is not None else None
+    return session_of(row) if row is not None else None
 
 
 def get_or_create_session(
@@ -122,7 +82,7 @@ def get_or_create_session(
     if indexed is None:
         indexed = parent_id is None  # a sub-agent's raw history stays out of general search
     conn.execute(
-        f"INSERT INTO sessions({_SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO sessions({SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (session_id, user_id, parent_id, level, agent, now, now, fingerprint, int(indexed)),
     )
     created = get_session(conn, session_id)
@@ -132,11 +92,11 @@ def get_or_create_session(
 
 def find_session_by_fingerprint(conn: Connection, user_id: str, fingerprint: str) -> Session | None:
     row = conn.execute(
-        f"SELECT {_SESSION_COLS} FROM sessions WHERE user_id = ? AND fingerprint = ? "
+        f"SELECT {SESSION_COLS} FROM sessions WHERE user_id = ? AND fingerprint = ? "
         "ORDER BY last_seen DESC LIMIT 1",
         (user_id, fingerprint),
     ).fetchone()
-    return _session(row) if row is not None else None
+    return session_of(row) if row is not None else None
 
 
 def resolve_session(
@@ -193,10 +153,10 @@ def set_session_indexed(conn: Connection, session_id: str, indexed: bool) -> Non
 
 def list_sessions(conn: Connection, user_id: str) -> list[Session]:
     rows = conn.execute(
-        f"SELECT {_SESSION_COLS} FROM sessions WHERE user_id = ? ORDER BY last_seen DESC, id",
+        f"SELECT {SESSION_COLS} FROM sessions WHERE user_id = ? ORDER BY last_seen DESC, id",
         (user_id,),
     )
-    return [_session(r) for r in rows]
+    return [session_of(r) for r in rows]
 
 
 def delete_session(conn: Connection, session_id: str, user_id: str | None) -> bool:
@@ -214,24 +174,6 @@ def delete_user(conn: Connection, user_id: str) -> bool:
 
 
 # -- turns ----------------------------------------------------------------------------------
-
-
-def check_vector(vec: Vector) -> Vector:
-    vec = as_vector(vec)
-    if vec.shape != (EMBED_DIM,):
-        raise ValueError(f"vectors must have {EMBED_DIM} dimensions, got {vec.shape[0]}")
-    return vec
-
-
-def insert_vector(
-    conn: Connection, turn_id: int, user_id: str, session_id: str, indexed: bool, vec: Vector
-) -> None:
-    blob = to_blob(check_vector(vec))
-    conn.execute(
-        "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed) "
-        "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
-        (turn_id, user_id, blob, blob, session_id, int(indexed)),
-    )
 
 
 def add_turns(
@@ -310,88 +252,6 @@ def insert_turns(
     return ids
 
 
-def index_deferred(conn: Connection, ids: Sequence[int]) -> int:
-    """Give turns archived with ``fts_pending`` their full-text rows, oldest first, re-indexing
-    their neighbours as the insert trigger does; ids no longer pending (or gone) are skipped.
-    Returns how many were indexed."""
-    pending = [
-        r[0]
-        for r in conn.execute(
-            "SELECT id FROM turns WHERE id IN (SELECT value FROM json_each(?))"
-            " AND fts_pending = 1 ORDER BY id",
-            (json_list(ids),),
-        )
-    ]
-    delete, insert = fts_reindex_sql()
-    for turn_id in pending:
-        conn.execute("UPDATE turns SET fts_pending = 0 WHERE id = ?", (turn_id,))
-        conn.execute(delete, {"id": turn_id})
-        conn.execute(insert, {"id": turn_id})
-    return len(pending)
-
-
-def pending_index_ids(conn: Connection, limit: int) -> list[int]:
-    """Turns still waiting for their full-text row, oldest first."""
-    rows = conn.execute("SELECT id FROM turns WHERE fts_pending = 1 ORDER BY id LIMIT ?", (limit,))
-    return [r[0] for r in rows]
-
-
-def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> int:
-    """Store (turn id, vector, embed hash) for existing turns, replacing any vector they had.
-
-    Returns how many turns got one (ids that no longer exist are skipped).
-    """
-    done = 0
-    for turn_id, vec, embed_hash in items:
-        row = conn.execute(
-            "SELECT t.user_id, t.session_id, s.indexed FROM turns t"
-            " JOIN sessions s ON s.id = t.session_id WHERE t.id = ?",
-            (turn_id,),
-        ).fetchone()
-        if row is None:
-            continue
-        conn.execute("DELETE FROM turn_vec WHERE turn_id = ?", (turn_id,))
-        insert_vector(conn, turn_id, row[0], row[1], bool(row[2]), vec)
-        conn.execute("UPDATE turns SET embed_hash = ? WHERE id = ?", (embed_hash, turn_id))
-        done += 1
-    return done
-
-
-def turns_without_vectors(
-    conn: Connection, user_id: str | None, limit: int, after_id: int = 0
-) -> list[Turn]:
-    """Turns with text but no vector yet, oldest first, from ids above ``after_id``: archived
-    turns waiting for the indexer (or stored while the embedder was down)."""
-    sql = (
-        f"SELECT {_TURN_COLS} FROM turns WHERE embed_hash IS NULL AND trim(content) != ''"
-        " AND id > ?"
-    )
-    args: list[Any] = [after_id]
-    if user_id is not None:
-        sql += " AND user_id = ?"
-        args.append(user_id)
-    sql += " ORDER BY id LIMIT ?"
-    args.append(limit)
-    return [_turn(r) for r in conn.execute(sql, args)]
-
-
-def vectors_by_embed_hash(conn: Connection, hashes: Sequence[str]) -> dict[str, Vector]:
-    """Stored vectors of texts already embedded, by :func:`text_hash`."""
-    out: dict[str, Vector] = {}
-    rows = conn.execute(
-        "SELECT embed_hash, min(id) FROM turns"
-        " WHERE embed_hash IN (SELECT value FROM json_each(?)) GROUP BY embed_hash",
-        (json_list(set(hashes)),),
-    ).fetchall()
-    for embed_hash, turn_id in rows:
-        found = conn.execute(
-            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
-        ).fetchone()
-        if found is not None:
-            out[embed_hash] = from_blob(found[0])
-    return out
-
-
 def count_turns(conn: Connection, session_id: str) -> int:
     (n,) = conn.execute("SELECT count(*) FROM turns WHERE session_id = ?", (session_id,)).fetchone()
     return int(n)
@@ -442,13 +302,13 @@ def turns_at(
     if not places:
         return {}
     rows = conn.execute(
-        f"SELECT {_TURN_COLS_T} FROM json_each(?) AS p CROSS JOIN turns AS t"
+        f"SELECT {TURN_COLS_T} FROM json_each(?) AS p CROSS JOIN turns AS t"
         " ON t.session_id = json_extract(p.value, '$[0]')"
         " AND t.position = json_extract(p.value, '$[1]')"
         " WHERE t.user_id = ?",
         (json.dumps(list(places)), user_id),
     )
-    out = [_turn(r) for r in rows]
+    out = [turn_of(r) for r in rows]
     return {(t.session_id, t.position): t for t in out}
 
 
@@ -463,21 +323,21 @@ def session_turns(
     conn: Connection, session_id: str, from_position: int = 0, limit: int | None = None
 ) -> list[Turn]:
     rows = conn.execute(
-        f"SELECT {_TURN_COLS} FROM turns WHERE session_id = ? AND position >= ?"
+        f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position >= ?"
         " ORDER BY position LIMIT ?",
         (session_id, from_position, -1 if limit is None else limit),
     )
-    return [_turn(r) for r in rows]
+    return [turn_of(r) for r in rows]
 
 
 def get_turns(conn: Connection, ids: Sequence[int], user_id: str | None) -> list[Turn]:
     """The turns with these ids, in the order given; unknown (or other users') ids are left out."""
-    sql = f"SELECT {_TURN_COLS} FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+    sql = f"SELECT {TURN_COLS} FROM turns WHERE id IN (SELECT value FROM json_each(?))"
     args: list[Any] = [json_list(ids)]
     if user_id is not None:
         sql += " AND user_id = ?"
         args.append(user_id)
-    by_id = {row[0]: _turn(row) for row in conn.execute(sql, args)}
+    by_id = {row[0]: turn_of(row) for row in conn.execute(sql, args)}
     return [by_id[i] for i in ids if i in by_id]
 
 
@@ -486,18 +346,18 @@ def get_turns(conn: Connection, ids: Sequence[int], user_id: str | None) -> list
 
 def session_rows(conn: Connection, user_id: str) -> list[Session]:
     rows = conn.execute(
-        f"SELECT {_SESSION_COLS} FROM sessions WHERE user_id = ? ORDER BY created_at, id",
+        f"SELECT {SESSION_COLS} FROM sessions WHERE user_id = ? ORDER BY created_at, id",
         (user_id,),
     )
-    return [_session(r) for r in rows]
+    return [session_of(r) for r in rows]
 
 
 def user_turns_page(conn: Connection, user_id: str, after_id: int, limit: int) -> list[Turn]:
     rows = conn.execute(
-        f"SELECT {_TURN_COLS} FROM turns WHERE user_id = ? AND id > ? ORDER BY id LIMIT ?",
+        f"SELECT {TURN_COLS} FROM turns WHERE user_id = ? AND id > ? ORDER BY id LIMIT ?",
         (user_id, after_id, limit),
     )
-    return [_turn(r) for r in rows]
+    return [turn_of(r) for r in rows]
 
 
 def list_users(conn: Connection) -> list[str]:

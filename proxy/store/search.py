@@ -35,8 +35,9 @@ from typing import Any, Literal
 import numpy as np
 
 from proxy.store.db import Connection, driver
+from proxy.store.indexing import check_vector
 from proxy.store.migrations import FTS_TOKENIZE
-from proxy.store.queries import check_vector, json_list
+from proxy.store.rows import json_list
 from proxy.vectors import Vector, as_vector, to_blob
 
 VecMode = Literal["auto", "exact", "quantized"]

@@ -12,8 +12,9 @@ Public surface (all ``async`` except the constructor)::
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
           fts_weights=FTS_WEIGHTS)         bm25 weights of turns_fts (body, ctx, date)
     open() / close()  (or ``async with Store(...) as store``)
-    read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (for the
-                                modules that bring their own tables: summaries, slots, facts…)
+    read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (callers
+                                pass the functions of proxy.store's table modules: feedback,
+                                summaries, slots, counters, items…)
     ensure_user(user_id)
     get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
                           fingerprint=None, indexed=None, max_level=None) -> Session
@@ -62,7 +63,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import queries, search
+from proxy.store import indexing, queries, search
 from proxy.store.db import Connection, connect
 from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
@@ -300,18 +301,20 @@ class Store:
 
     async def set_vectors(self, items: Sequence[tuple[int, Vector, str]]) -> int:
         items = list(items)
-        return await self.write(lambda c: queries.set_vectors(c, items))
+        return await self.write(lambda c: indexing.set_vectors(c, items))
 
     async def turns_without_vectors(
         self, user_id: str | None, limit: int = 256, after_id: int = 0
     ) -> list[Turn]:
-        return await self.read(lambda c: queries.turns_without_vectors(c, user_id, limit, after_id))
+        return await self.read(
+            lambda c: indexing.turns_without_vectors(c, user_id, limit, after_id)
+        )
 
     async def vectors_by_embed_hash(self, hashes: Sequence[str]) -> dict[str, Vector]:
         hashes = list(hashes)
         if not hashes:
             return {}
-        return await self.read(lambda c: queries.vectors_by_embed_hash(c, hashes))
+        return await self.read(lambda c: indexing.vectors_by_embed_hash(c, hashes))
 
     async def count_turns(self, session_id: str) -> int:
         return await self.read(lambda c: queries.count_turns(c, session_id))

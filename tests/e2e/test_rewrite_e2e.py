@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.background.summarizer import get_summary
 from proxy.chat.prompt import SUMMARY_OPEN
 from proxy.services import SERVICES
+from proxy.store.summaries import get_summary
 from testing.fake_chunks import template_violations
 from testing.harness import settle, start_engram
 from tests.e2e.conftest import CTX, LlamaServer

@@ -8,10 +8,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.background.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, get_summary, render_turns
+from proxy.background.summarizer import DEFAULT_PROMPT, TOOL_CHARS, clean, render_turns
 from proxy.chat.prompt import SUMMARY_OPEN
 from proxy.services import SERVICES
 from proxy.store.models import Turn
+from proxy.store.summaries import get_summary
 from proxy.tokens import TokenCounter
 from testing.fake_chunks import chat_completion, template_violations
 from testing.fake_upstream import FakeUpstream, JsonReply

@@ -25,7 +25,9 @@ from redis.asyncio import Redis
 from proxy.cli.main import main
 from proxy.config import SlotsSettings
 from proxy.services import SERVICES
-from proxy.slots.store import Slot, SlotStore, user_namespace
+from proxy.slots.model import Slot
+from proxy.slots.redis import user_namespace
+from proxy.slots.store import SlotStore
 from proxy.store.store import Store
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, start_engram

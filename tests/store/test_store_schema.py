@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from proxy.store import db, migrations, queries
+from proxy.store import db, indexing, migrations
 from proxy.store.db import Connection
 from proxy.vectors import to_blob
 
@@ -369,9 +369,9 @@ def test_deferred_index_gives_the_same_rows_as_the_trigger(tmp_path: Path) -> No
         if deferred:
             assert _fts(c, "lighthouse") == []  # archived, not indexed yet
             for i in order:  # the indexer may catch up in any order, in batches
-                queries.index_deferred(c, [ids[i], ids[i]])
-            assert queries.pending_index_ids(c, 10) == []
-            assert queries.index_deferred(c, ids) == 0  # nothing left to do
+                indexing.index_deferred(c, [ids[i], ids[i]])
+            assert indexing.pending_index_ids(c, 10) == []
+            assert indexing.index_deferred(c, ids) == 0  # nothing left to do
         _integrity_check(c)
         # Which rows each query finds, and each row's token count per column (body, ctx, date).
         # (BM25 scores depend on the delete history of a contentless-delete index, not only on

@@ -15,7 +15,7 @@ from proxy.slots.expand import (
     round_trip_messages,
     with_tool,
 )
-from proxy.slots.store import Slot
+from proxy.slots.model import Slot
 from testing.fake_chunks import chat_chunks, chat_completion
 
 TOOL = "engram_expand"

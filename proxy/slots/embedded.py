@@ -1,0 +1,64 @@
+"""The embedded slot backend: slots in the ``slots`` table of the SQLite file.
+
+Reached only through :meth:`Store.read` / :meth:`Store.write`, so SQLite never runs on the event
+loop; the SQL is in :mod:`proxy.store.slots`. A slot lives ``ttl`` seconds after it was last
+stored or read: rows past ``expires_at`` are ignored, and :meth:`EmbeddedSlots.purge` (run by
+:class:`proxy.slots.store.SlotStore` every ``slots.purge_interval`` seconds) deletes them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from proxy.slots.model import Slot
+from proxy.store.slots import (
+    SlotRow,
+    forget_slots,
+    purge_slots,
+    slot_figures,
+    take_slot,
+    upsert_slots,
+)
+from proxy.store.store import Store
+
+
+class EmbeddedSlots:
+    """Slots in the SQLite file, through the store's reader threads and writer thread."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def put(self, user: str, slots: Sequence[Slot], ttl: float) -> None:
+        """Store (or refresh) ``slots`` for ``user``, each for ``ttl`` seconds."""
+        now = time.time()
+        rows = [SlotRow(s.id, s.tool, s.content, s.tokens, s.description) for s in slots]
+        await self.store.write(lambda c: upsert_slots(c, user, rows, now, ttl))
+
+    async def get(self, user: str, slot_id: str, ttl: float) -> Slot | None:
+        """The unexpired slot with its TTL reset to ``ttl``, or None."""
+        now = time.time()
+        row = await self.store.write(lambda c: take_slot(c, user, slot_id, now, ttl))
+        if row is None:
+            return None
+        return Slot(
+            id=row.id,
+            tool=row.tool,
+            content=row.content,
+            tokens=row.tokens,
+            description=row.description,
+        )
+
+    async def purge(self) -> int:
+        """Delete the expired rows; how many."""
+        now = time.time()
+        return await self.store.write(lambda c: purge_slots(c, now))
+
+    async def figures(self) -> tuple[int, int]:
+        """(slots, bytes) not expired."""
+        now = time.time()
+        return await self.store.read(lambda c: slot_figures(c, now))
+
+    async def forget(self, user: str) -> int:
+        """Delete ``user``'s slots; how many."""
+        return await self.store.write(lambda c: forget_slots(c, user))

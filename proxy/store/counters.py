@@ -1,0 +1,62 @@
+"""The ``counters`` table, and the figures of the memory loop counted from its own rows.
+
+``counters`` holds running totals by name (tokens proxied and spent, slot puts/hits/misses/errors
+per backend): a server adds what it counted since its last write, so several servers on one
+database add up. :func:`memory_counts` counts hand-backs, facts, requests, feedback and the queue
+where they are stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from proxy.store.db import Connection
+from proxy.store.feedback import queue_counts
+
+
+def all_counters(conn: Connection, names: Iterable[str] = ()) -> dict[str, int]:
+    """Every stored counter by name, and 0 for those of ``names`` never written."""
+    totals = dict.fromkeys(names, 0)
+    for name, value in conn.execute("SELECT name, value FROM counters"):
+        totals[str(name)] = int(value)
+    return totals
+
+
+def counter_values(conn: Connection, names: Iterable[str]) -> dict[str, int]:
+    """The counters named (one point lookup each), 0 for those never written."""
+    out: dict[str, int] = {}
+    for name in names:
+        row = conn.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+        out[name] = int(row[0]) if row else 0
+    return out
+
+
+def add_counters(conn: Connection, deltas: Mapping[str, int]) -> None:
+    """Add each non-zero delta to its counter (created at 0 when new)."""
+    conn.executemany(
+        "INSERT INTO counters(name, value) VALUES (?, ?)"
+        " ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+        [(k, v) for k, v in deltas.items() if v],
+    )
+
+
+def memory_counts(conn: Connection, user_id: str | None = None) -> dict[str, Any]:
+    """Hand-backs, facts, recorded requests, feedback and the queue (one user's, or all)."""
+    where, args = ("", ()) if user_id is None else (" AND user_id = ?", (user_id,))
+
+    def count(sql: str) -> int:
+        return int(conn.execute(sql + where, args).fetchone()[0])
+
+    return {
+        "handbacks": count(
+            "SELECT count(*) FROM turns WHERE role = 'summary' AND source_session IS NOT NULL"
+        ),
+        "facts": count("SELECT count(*) FROM turns WHERE role = 'fact'"),
+        "requests": count("SELECT count(*) FROM requests WHERE 1"),
+        "feedback": {
+            "unhelpful": count("SELECT count(*) FROM feedback WHERE helpful = 0"),
+            "helpful": count("SELECT count(*) FROM feedback WHERE helpful = 1"),
+        },
+        "queue": queue_counts(conn, user_id),
+    }

@@ -1,0 +1,136 @@
+"""The turns' search index beyond their rows: vectors in ``turn_vec``, deferred full-text rows.
+
+- Vectors: :func:`insert_vector` (used by :func:`proxy.store.queries.insert_turns`),
+  :func:`set_vectors` for turns archived without one (:func:`turns_without_vectors`), reuse of a
+  text embedded before (:func:`vectors_by_embed_hash`), and point lookups for MMR
+  (:func:`turn_vectors`).
+- Full text: a turn archived with ``fts_pending`` gets its ``turns_fts`` row (and its
+  neighbours' ``ctx`` rewrite) from :func:`index_deferred`, run by
+  :class:`proxy.background.indexer.Indexer` on what :func:`pending_index_ids` lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from proxy.store.db import Connection
+from proxy.store.migrations import EMBED_DIM, fts_reindex_sql
+from proxy.store.models import Turn
+from proxy.store.rows import TURN_COLS, json_list, turn_of
+from proxy.vectors import Vector, as_vector, from_blob, to_blob
+
+
+def check_vector(vec: Vector) -> Vector:
+    """``vec`` as float32, or a ValueError when it has not :data:`EMBED_DIM` dimensions."""
+    vec = as_vector(vec)
+    if vec.shape != (EMBED_DIM,):
+        raise ValueError(f"vectors must have {EMBED_DIM} dimensions, got {vec.shape[0]}")
+    return vec
+
+
+def insert_vector(
+    conn: Connection, turn_id: int, user_id: str, session_id: str, indexed: bool, vec: Vector
+) -> None:
+    """Add a turn's vector (and its bit-quantised copy) to ``turn_vec``."""
+    blob = to_blob(check_vector(vec))
+    conn.execute(
+        "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed) "
+        "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
+        (turn_id, user_id, blob, blob, session_id, int(indexed)),
+    )
+
+
+def index_deferred(conn: Connection, ids: Sequence[int]) -> int:
+    """Give turns archived with ``fts_pending`` their full-text rows, oldest first, re-indexing
+    their neighbours as the insert trigger does; ids no longer pending (or gone) are skipped.
+    Returns how many were indexed."""
+    pending = [
+        r[0]
+        for r in conn.execute(
+            "SELECT id FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+            " AND fts_pending = 1 ORDER BY id",
+            (json_list(ids),),
+        )
+    ]
+    delete, insert = fts_reindex_sql()
+    for turn_id in pending:
+        conn.execute("UPDATE turns SET fts_pending = 0 WHERE id = ?", (turn_id,))
+        conn.execute(delete, {"id": turn_id})
+        conn.execute(insert, {"id": turn_id})
+    return len(pending)
+
+
+def pending_index_ids(conn: Connection, limit: int) -> list[int]:
+    """Turns still waiting for their full-text row, oldest first."""
+    rows = conn.execute("SELECT id FROM turns WHERE fts_pending = 1 ORDER BY id LIMIT ?", (limit,))
+    return [r[0] for r in rows]
+
+
+def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> int:
+    """Store (turn id, vector, embed hash) for existing turns, replacing any vector they had.
+
+    Returns how many turns got one (ids that no longer exist are skipped).
+    """
+    done = 0
+    for turn_id, vec, embed_hash in items:
+        row = conn.execute(
+            "SELECT t.user_id, t.session_id, s.indexed FROM turns t"
+            " JOIN sessions s ON s.id = t.session_id WHERE t.id = ?",
+            (turn_id,),
+        ).fetchone()
+        if row is None:
+            continue
+        conn.execute("DELETE FROM turn_vec WHERE turn_id = ?", (turn_id,))
+        insert_vector(conn, turn_id, row[0], row[1], bool(row[2]), vec)
+        conn.execute("UPDATE turns SET embed_hash = ? WHERE id = ?", (embed_hash, turn_id))
+        done += 1
+    return done
+
+
+def turns_without_vectors(
+    conn: Connection, user_id: str | None, limit: int, after_id: int = 0
+) -> list[Turn]:
+    """Turns with text but no vector yet, oldest first, from ids above ``after_id``: archived
+    turns waiting for the indexer (or stored while the embedder was down)."""
+    sql = (
+        f"SELECT {TURN_COLS} FROM turns WHERE embed_hash IS NULL AND trim(content) != '' AND id > ?"
+    )
+    args: list[Any] = [after_id]
+    if user_id is not None:
+        sql += " AND user_id = ?"
+        args.append(user_id)
+    sql += " ORDER BY id LIMIT ?"
+    args.append(limit)
+    return [turn_of(r) for r in conn.execute(sql, args)]
+
+
+def vectors_by_embed_hash(conn: Connection, hashes: Sequence[str]) -> dict[str, Vector]:
+    """Stored vectors of texts already embedded, by :func:`proxy.store.models.text_hash`."""
+    out: dict[str, Vector] = {}
+    rows = conn.execute(
+        "SELECT embed_hash, min(id) FROM turns"
+        " WHERE embed_hash IN (SELECT value FROM json_each(?)) GROUP BY embed_hash",
+        (json_list(set(hashes)),),
+    ).fetchall()
+    for embed_hash, turn_id in rows:
+        found = conn.execute(
+            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
+        ).fetchone()
+        if found is not None:
+            out[embed_hash] = from_blob(found[0])
+    return out
+
+
+def turn_vectors(conn: Connection, ids: Sequence[int]) -> dict[int, Vector]:
+    """Stored vectors of some turns (point lookups in ``turn_vec``)."""
+    out: dict[int, Vector] = {}
+    for turn_id in ids:
+        row = conn.execute(
+            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
+        ).fetchone()
+        if row is not None:
+            out[turn_id] = np.frombuffer(row[0], dtype=np.float32)
+    return out

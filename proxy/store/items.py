@@ -1,0 +1,67 @@
+"""Memory items in ``turns``: what Engram itself adds to a session (a sub-agent's hand-back
+summary, a consolidated fact), at negative positions, with the session they came from in
+``source_session``. :mod:`proxy.background.items` decides what an item is; this is its SQL."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from proxy.store import queries
+from proxy.store.db import Connection
+from proxy.store.models import NewTurn, Turn
+from proxy.vectors import Vector
+
+
+def next_item_position(conn: Connection, session_id: str) -> int:
+    """The position the session's next item takes: one below its lowest, and below 0."""
+    row = conn.execute(
+        "SELECT min(position) FROM turns WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    lowest = row[0] if row and row[0] is not None else 0
+    return min(int(lowest), 0) - 1
+
+
+def insert_item(
+    conn: Connection,
+    session_id: str,
+    user_id: str,
+    turn: NewTurn,
+    vector: Vector | None,
+    source: str | None,
+) -> int:
+    """Store ``turn`` (and its vector) at the session's next item position, with ``source``
+    as its ``source_session``; returns its turn id."""
+    positioned = dataclasses.replace(turn, position=next_item_position(conn, session_id))
+    (turn_id,) = queries.add_turns(
+        conn,
+        session_id,
+        user_id,
+        [positioned],
+        [vector] if vector is not None else None,
+        time.time(),
+    )
+    if source is not None:
+        conn.execute("UPDATE turns SET source_session = ? WHERE id = ?", (source, turn_id))
+    return turn_id
+
+
+def session_items(conn: Connection, session_id: str, role: str, limit: int) -> list[Turn]:
+    """The newest ``limit`` items of a role in a session, newest first."""
+    ids = [
+        r[0]
+        for r in conn.execute(
+            "SELECT id FROM turns WHERE session_id = ? AND role = ? AND position < 0"
+            " ORDER BY position ASC LIMIT ?",
+            (session_id, role, limit),
+        )
+    ]
+    return queries.get_turns(conn, ids, None)
+
+
+def fact_texts(conn: Connection, session_id: str) -> list[tuple[str, str]]:
+    """(speaker, content) of every fact of a session; speaker "" where it has none."""
+    rows = conn.execute(
+        "SELECT speaker, content FROM turns WHERE session_id = ? AND role = 'fact'", (session_id,)
+    )
+    return [(str(r[0] or ""), str(r[1])) for r in rows]
