@@ -178,7 +178,7 @@ async def prefill(store: Store, gen: TextGen, user: str, start: int, n: int) -> 
                 sid = f"fill{start}-{s0 // per_session}"
                 queries.get_or_create_session(
                     c, user, sid, parent_id=None, agent=None, fingerprint=None, indexed=True,
-                    max_level=None, now=now,
+                    now=now,
                 )  # fmt: skip
                 rows = [
                     NewTurn(

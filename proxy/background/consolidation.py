@@ -114,7 +114,6 @@ def facts_session(conn: Connection, user_id: str, now: float) -> str:
         agent=FACTS_AGENT,
         fingerprint=None,
         indexed=True,
-        max_level=None,
         now=now,
     )
     return sid

@@ -56,7 +56,6 @@ def _new_session(
         agent=agent,
         fingerprint=fingerprint,
         indexed=parent is None,  # a sub-agent's raw turns stay out of everyone else's search
-        max_level=None,
         now=now,
     )
 

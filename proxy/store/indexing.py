@@ -1,9 +1,8 @@
 """The turns' search index beyond their rows: vectors in ``turn_vec``, deferred full-text rows.
 
 - Vectors: :func:`insert_vector` (used by :func:`proxy.store.queries.insert_turns`),
-  :func:`set_vectors` for turns archived without one (:func:`turns_without_vectors`), reuse of a
-  text embedded before (:func:`vectors_by_embed_hash`), and point lookups for MMR
-  (:func:`turn_vectors`).
+  :func:`set_vectors` for turns archived without one (:func:`turns_without_vectors`), and point
+  lookups for MMR (:func:`turn_vectors`).
 - Full text: a turn archived with ``fts_pending`` gets its ``turns_fts`` row (and its
   neighbours' ``ctx`` rewrite) from :func:`index_deferred`, run by
   :class:`proxy.background.indexer.Indexer` on what :func:`pending_index_ids` lists.
@@ -17,10 +16,11 @@ from typing import Any
 import numpy as np
 
 from proxy.store.db import Connection
-from proxy.store.migrations import EMBED_DIM, fts_reindex_sql
+from proxy.store.fts_sql import fts_reindex_sql
+from proxy.store.migrations import EMBED_DIM
 from proxy.store.models import Turn
 from proxy.store.rows import TURN_COLS, json_list, turn_of
-from proxy.vectors import Vector, as_vector, from_blob, to_blob
+from proxy.vectors import Vector, as_vector, to_blob
 
 
 def check_vector(vec: Vector) -> Vector:
@@ -105,23 +105,6 @@ def turns_without_vectors(
     sql += " ORDER BY id LIMIT ?"
     args.append(limit)
     return [turn_of(r) for r in conn.execute(sql, args)]
-
-
-def vectors_by_embed_hash(conn: Connection, hashes: Sequence[str]) -> dict[str, Vector]:
-    """Stored vectors of texts already embedded, by :func:`proxy.store.models.text_hash`."""
-    out: dict[str, Vector] = {}
-    rows = conn.execute(
-        "SELECT embed_hash, min(id) FROM turns"
-        " WHERE embed_hash IN (SELECT value FROM json_each(?)) GROUP BY embed_hash",
-        (json_list(set(hashes)),),
-    ).fetchall()
-    for embed_hash, turn_id in rows:
-        found = conn.execute(
-            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
-        ).fetchone()
-        if found is not None:
-            out[embed_hash] = from_blob(found[0])
-    return out
 
 
 def turn_vectors(conn: Connection, ids: Sequence[int]) -> dict[int, Vector]:

@@ -32,10 +32,6 @@ class SessionNotFound(StoreError):
     """The session (or parent session) named does not exist."""
 
 
-class SessionDepthExceeded(StoreError):
-    """Creating the sub-session would nest deeper than allowed."""
-
-
 def _digest(payload: str) -> str:
     return hashlib.sha256(payload.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 

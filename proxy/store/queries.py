@@ -22,7 +22,6 @@ from proxy.store.models import (
     NewTurn,
     Session,
     SessionConflict,
-    SessionDepthExceeded,
     SessionNotFound,
     StoreStats,
     Turn,
@@ -57,7 +56,6 @@ def get_or_create_session(
     agent: str | None,
     fingerprint: str | None,
     indexed: bool | None,
-    max_level: int | None,
     now: float,
 ) -> Session:
     ensure_user(conn, user_id, now)
@@ -75,10 +73,6 @@ def get_or_create_session(
         if parent.user_id != user_id:
             raise SessionConflict(f"parent session {parent_id!r} belongs to another user namespace")
         level = parent.level + 1
-        if max_level is not None and level > max_level:
-            raise SessionDepthExceeded(
-                f"session {session_id!r} would be nested {level} deep (limit {max_level})"
-            )
     if indexed is None:
         indexed = parent_id is None  # a sub-agent's raw history stays out of general search
     conn.execute(
@@ -88,15 +82,6 @@ def get_or_create_session(
     created = get_session(conn, session_id)
     assert created is not None
     return created
-
-
-def find_session_by_fingerprint(conn: Connection, user_id: str, fingerprint: str) -> Session | None:
-    row = conn.execute(
-        f"SELECT {SESSION_COLS} FROM sessions WHERE user_id = ? AND fingerprint = ? "
-        "ORDER BY last_seen DESC LIMIT 1",
-        (user_id, fingerprint),
-    ).fetchone()
-    return session_of(row) if row is not None else None
 
 
 def resolve_session(
@@ -136,10 +121,6 @@ def resolve_session(
         return None
     session = get_session(conn, best[2])
     return (session, best[0]) if session is not None else None
-
-
-def set_session_fingerprint(conn: Connection, session_id: str, fingerprint: str | None) -> None:
-    conn.execute("UPDATE sessions SET fingerprint = ? WHERE id = ?", (fingerprint, session_id))
 
 
 def set_session_indexed(conn: Connection, session_id: str, indexed: bool) -> None:

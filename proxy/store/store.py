@@ -17,11 +17,10 @@ Public surface (all ``async`` except the constructor)::
                                 summaries, slots, counters, items…)
     ensure_user(user_id)
     get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
-                          fingerprint=None, indexed=None, max_level=None) -> Session
+                          fingerprint=None, indexed=None) -> Session
     get_session(session_id) -> Session | None
-    find_session_by_fingerprint(user_id, fingerprint) -> Session | None
     resolve_session(user_id, chain_hashes, *, min_length=1) -> (Session, matched) | None
-    set_session_fingerprint(session_id, fingerprint) / set_session_indexed(session_id, indexed)
+    set_session_indexed(session_id, indexed)
     list_sessions(user_id) -> list[Session]           most recently seen first
     delete_session(session_id, *, user_id=None) -> bool   sub-sessions, turns, FTS rows and
                                                           vectors go with it
@@ -30,7 +29,6 @@ Public surface (all ``async`` except the constructor)::
                                                           positions already stored are skipped
     set_vectors([(turn_id, vector, embed_hash)]) -> int
     turns_without_vectors(user_id, limit, after_id=0)   what the indexer has yet to embed
-    vectors_by_embed_hash(hashes) -> dict[str, Vector]   reuse: texts embedded before
     count_turns(session_id) -> int; session_turn_hashes(session_id) -> list[str]
     session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int
     session_turns(session_id, from_position=0, limit=None) -> list[Turn]
@@ -223,15 +221,13 @@ class Store:
         agent: str | None = None,
         fingerprint: str | None = None,
         indexed: bool | None = None,
-        max_level: int | None = None,
     ) -> Session:
         """The session, created if new (``last_seen`` bumped if not).
 
         A sub-session (``parent_id``) gets ``level = parent.level + 1`` and, unless ``indexed``
         says otherwise, stays out of searches over the user's whole memory. Raises
         :class:`SessionConflict` when the id (or the parent) belongs to another user,
-        :class:`SessionNotFound` for a missing parent and :class:`SessionDepthExceeded` past
-        ``max_level``.
+        :class:`SessionNotFound` for a missing parent.
         """
         now = time.time()
         return await self.write(
@@ -243,7 +239,6 @@ class Store:
                 agent=agent,
                 fingerprint=fingerprint,
                 indexed=indexed,
-                max_level=max_level,
                 now=now,
             )
         )
@@ -251,20 +246,12 @@ class Store:
     async def get_session(self, session_id: str) -> Session | None:
         return await self.read(lambda c: queries.get_session(c, session_id))
 
-    async def find_session_by_fingerprint(self, user_id: str, fingerprint: str) -> Session | None:
-        return await self.read(
-            lambda c: queries.find_session_by_fingerprint(c, user_id, fingerprint)
-        )
-
     async def resolve_session(
         self, user_id: str, hashes: Sequence[str], *, min_length: int = 1
     ) -> tuple[Session, int] | None:
         """The user's session sharing the longest prefix of chain ``hashes`` (see queries)."""
         hashes = list(hashes)
         return await self.read(lambda c: queries.resolve_session(c, user_id, hashes, min_length))
-
-    async def set_session_fingerprint(self, session_id: str, fingerprint: str | None) -> None:
-        await self.write(lambda c: queries.set_session_fingerprint(c, session_id, fingerprint))
 
     async def set_session_indexed(self, session_id: str, indexed: bool) -> None:
         await self.write(lambda c: queries.set_session_indexed(c, session_id, indexed))
@@ -309,12 +296,6 @@ class Store:
         return await self.read(
             lambda c: indexing.turns_without_vectors(c, user_id, limit, after_id)
         )
-
-    async def vectors_by_embed_hash(self, hashes: Sequence[str]) -> dict[str, Vector]:
-        hashes = list(hashes)
-        if not hashes:
-            return {}
-        return await self.read(lambda c: indexing.vectors_by_embed_hash(c, hashes))
 
     async def count_turns(self, session_id: str) -> int:
         return await self.read(lambda c: queries.count_turns(c, session_id))

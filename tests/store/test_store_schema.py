@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from proxy.store import db, indexing, migrations
+from proxy.store import db, fts_sql, indexing, migrations
 from proxy.store.db import Connection
 from proxy.vectors import to_blob
 
@@ -514,10 +514,10 @@ def _expected_index(conn: Connection) -> dict[tuple[int, str], list[str]]:
             ordered = by_session[r[1]]
             i = ordered.index(r)
             window = (
-                ordered[max(0, i - migrations.CTX_TURNS) : i]
-                + ordered[i + 1 : i + 1 + migrations.CTX_TURNS]
+                ordered[max(0, i - fts_sql.CTX_TURNS) : i]
+                + ordered[i + 1 : i + 1 + fts_sql.CTX_TURNS]
             )
-            ctx = "\n".join(body(n)[: migrations.CTX_CHARS] for n in window)
+            ctx = "\n".join(body(n)[: fts_sql.CTX_CHARS] for n in window)
         day = datetime.fromtimestamp(r[6], UTC)
         date = f"{day:%A} {day.day} {day:%B %Y}"
         conn.execute(
