@@ -17,13 +17,13 @@ Conventions the schema fixes (migration 1):
   (position order, system turns left out, each cut to ``CTX_CHARS`` characters, joined by
   newlines; both in :mod:`proxy.store.fts_sql`; empty for a system turn) and ``date`` = the
   turn's UTC date as words, e.g. ``"Monday 8 May 2023"``. On LoCoMo the neighbours and the date
-  lift FTS recall@10 from 0.61 to 0.73: answers often sit in the turn next to the one that names the topic. The
-  ``turns_ai`` / ``turns_au`` / ``turns_ad`` triggers keep it in step, rewriting the ``ctx`` of
-  the neighbours whose window a turn enters or leaves. Rank with ``bm25(turns_fts, body, ctx,
-  date)`` weights (:data:`proxy.store.search.FTS_WEIGHTS`). Being contentless, it cannot return
+  lift FTS recall@10 from 0.61 to 0.73: answers often sit in the turn next to the one that names the
+  topic. The ``turns_ai`` / ``turns_au`` / ``turns_ad`` triggers keep it in step, rewriting the
+  ``ctx`` of the neighbours whose window a turn enters or leaves. Rank with ``bm25(turns_fts, body,
+  ctx, date)`` weights (:data:`proxy.store.search.FTS_WEIGHTS`). Being contentless, it cannot return
   text: ``highlight()``/``snippet()`` do not work; read ``turns``. Its tokenizer is
-  :data:`FTS_TOKENIZE`. Changing the constant, the columns or the trigger expressions changes
-  only databases created afterwards; an existing database needs a new migration that recreates
+  :data:`FTS_TOKENIZE`. Changing the constant, the columns or the trigger expressions changes only
+  databases created afterwards; an existing database needs a new migration that recreates
   ``turns_fts`` and its triggers and re-inserts every turn (``INSERT INTO turns_fts(rowid, body,
   ctx, date) SELECT ... FROM turns``). ``contentless_delete`` needs SQLite 3.43 or newer
   (:func:`proxy.store.db.driver` picks a driver that has it). ``turns_fts_terms`` is its
