@@ -26,7 +26,7 @@ import numpy as np
 
 from proxy.search.embedder import Embedder, Kind
 from proxy.store import NewTurn, Store, queries
-from proxy.store.db import describe
+from proxy.store.db import database_info
 from proxy.store.models import EMBED_CHARS, index_text, text_hash
 from proxy.vectors import Vector
 
@@ -47,7 +47,7 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    db = describe()
+    db = database_info()
     versions = {}
     for dist in ("fastembed", "onnxruntime", "numpy", "sqlean.py", "aiohttp"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):

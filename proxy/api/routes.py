@@ -69,7 +69,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # --- access -------------------------------------------------------------------------------------
 
 
-def is_loopback(remote: str | None) -> bool:
+def is_loopback_peer(remote: str | None) -> bool:
     """Whether a peer address is a loopback one (IPv4-mapped IPv6 included)."""
     if not remote:
         return False
@@ -84,7 +84,7 @@ def is_loopback(remote: str | None) -> bool:
 
 def admin_allowed(remote: str | None, authorization: str | None, token: str) -> bool:
     """Loopback clients always; others only with ``Authorization: Bearer <token>``."""
-    if is_loopback(remote):
+    if is_loopback_peer(remote):
         return True
     if not token or not authorization:
         return False

@@ -92,7 +92,7 @@ class MemoryService:
         self, headers: Mapping[str, str], conv: Conversation, mode: str
     ) -> MemoryTurn:
         """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
-        returns what it decided (``mt.forward``, when set, is the messages to forward)."""
+        returns what it decided (``mt.forward_messages``, when set, is the messages to forward)."""
         messages: list[dict[str, Any]] = without_lone_surrogates(conv.messages)
         ident = identify(headers, conv.hints or {})
         housekeeping = is_housekeeping(messages, self._housekeeping)

@@ -173,8 +173,8 @@ class ChatPipeline:
         if mt.assembly is not None:
             a = mt.assembly
             turn.response_headers["X-Engram-Prompt-Tokens"] = f"{a.tokens}/{a.original_tokens}"
-        if mt.forward is not None:
-            turn.forwarded = mt.forward
+        if mt.forward_messages is not None:
+            turn.forwarded = mt.forward_messages
         ex = self.expander
         if mt.slot_refs and ex is not None and ex.offered(mt.model):
             turn.expand = can_add_tool(turn.conv.body, ex.settings.expand_tool)

@@ -121,7 +121,7 @@ class Rewriter:
         if self.summarizer is not None:
             self.summarizer.account_prompt(final.tokens)
         if final.messages != mt.messages:
-            mt.forward = final.messages
+            mt.forward_messages = final.messages
             mt.slot_refs = references(final.messages) if mt.slot_refs else []
         if mt.placement is not None:
             self.last_requests[mt.placement.session.id] = (time.time(), final)

@@ -33,7 +33,7 @@ class MemoryTurn:
     identity: Identity
     messages: list[dict[str, Any]]  # as the client sent them (what is archived)
     chains: list[str]
-    forward: list[dict[str, Any]] | None = None  # what to forward instead, when changed
+    forward_messages: list[dict[str, Any]] | None = None  # what to forward instead, when changed
     model: str | None = None
     assembly: Assembly | None = None
     summary: str | None = None

@@ -18,7 +18,7 @@ from yarl import URL
 from proxy.config import Settings
 from proxy.paths import default_db_path
 from proxy.search.embedder import from_settings
-from proxy.store.db import describe
+from proxy.store.db import database_info
 from proxy.store.store import Store
 from proxy.upstream import LLAMACPP_DEFAULT, OLLAMA_DEFAULT, Upstream, detect
 
@@ -36,7 +36,7 @@ class Check:
 
 def sqlite_checks() -> list[Check]:
     try:
-        info = describe()
+        info = database_info()
     except Exception as exc:
         return [Check("sqlite", False, str(exc))]
     return [

@@ -128,7 +128,7 @@ def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None 
     return load_settings(config_file, env, _overrides(args))
 
 
-def is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -167,7 +167,7 @@ def _serve(settings: Settings) -> int:
     from proxy.app import create_app  # imported late: `engram config` needs no aiohttp app
 
     server = settings.server
-    if not is_loopback(server.host):
+    if not is_loopback_host(server.host):
         if not server.allow_remote:
             print(
                 f"engram: refusing to bind {server.host}: it is not a loopback address and "

@@ -71,7 +71,7 @@ def reference(slot: Slot) -> str:
     return f"[TOOL_RESULT:{slot.id}]\n{slot.description}"
 
 
-def describe(tool: str, tokens: int, content: str, hint: str | None) -> str:
+def reference_text(tool: str, tokens: int, content: str, hint: str | None) -> str:
     """One line: what the output was, how big, and its path (or first line)."""
     if hint:
         where = _clip(hint)
@@ -223,7 +223,7 @@ def _too_small(text: str, min_tokens: int) -> bool:
 
 def _slot(tool: str, content: str, tokens: int, hint: str | None) -> Slot:
     return Slot(
-        slot_id(tool, content), tool, content, tokens, describe(tool, tokens, content, hint)
+        slot_id(tool, content), tool, content, tokens, reference_text(tool, tokens, content, hint)
     )
 
 

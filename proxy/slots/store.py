@@ -81,7 +81,7 @@ def read_slot_counters(conn: Connection) -> dict[str, dict[str, int]]:
     return {b: {k: stored[counter_name(b, k)] for k in KINDS} for b in BACKENDS}
 
 
-def describe(exc: BaseException) -> str:
+def error_text(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
@@ -149,7 +149,9 @@ class SlotStore:
             try:
                 await redis.aclose()
             except Exception as exc:
-                event(log, logging.WARNING, "closing the Redis client failed", error=describe(exc))
+                event(
+                    log, logging.WARNING, "closing the Redis client failed", error=error_text(exc)
+                )
 
     # -- storing and reading -----------------------------------------------------------------
 
@@ -268,7 +270,7 @@ class SlotStore:
         try:
             slots, size = await self.embedded.figures()
         except Exception as exc:
-            event(log, logging.WARNING, "counting the embedded slots failed", error=describe(exc))
+            event(log, logging.WARNING, "counting the embedded slots failed", error=error_text(exc))
             out[EMBEDDED] = {"slots": None, "bytes": None, **counts[EMBEDDED]}
         else:
             out[EMBEDDED] = {"slots": slots, "bytes": size, **counts[EMBEDDED]}
@@ -281,7 +283,7 @@ class SlotStore:
         try:
             return await redis.figures()
         except Exception as exc:
-            event(log, logging.WARNING, "counting the slots in Redis failed", error=describe(exc))
+            event(log, logging.WARNING, "counting the slots in Redis failed", error=error_text(exc))
             return None, None
 
     async def flush_counters(self) -> None:
@@ -350,7 +352,7 @@ class SlotStore:
         tries the embedded table for it."""
         self._count(REDIS, "errors")
         if isinstance(exc, UnicodeError | DataError):
-            event(log, logging.DEBUG, "a slot Redis cannot take", error=describe(exc))
+            event(log, logging.DEBUG, "a slot Redis cannot take", error=error_text(exc))
             return
         if self._retry is not None and not self._retry.done():
             return  # already marked down
@@ -359,7 +361,7 @@ class SlotStore:
             log,
             logging.WARNING,
             "Redis is unreachable; tool-result slots go to the SQLite file until it is back",
-            error=describe(exc),
+            error=error_text(exc),
             retry_every=self.settings.redis_retry,
         )
         self._retry = asyncio.create_task(self._retry_redis(), name="slots-redis-retry")
@@ -384,7 +386,7 @@ class SlotStore:
                 log,
                 logging.WARNING,
                 "the embedded slot store failed; tool outputs are forwarded raw until it works",
-                error=describe(exc),
+                error=error_text(exc),
             )
 
     def _embedded_works(self) -> None:

@@ -24,7 +24,7 @@ All SQL lives in this package. The store knows nothing of where vectors come fro
 and searches them.
 """
 
-from proxy.store.db import DbInfo, connect, describe
+from proxy.store.db import DbInfo, connect, database_info
 from proxy.store.models import (
     NewTurn,
     Session,
@@ -49,7 +49,7 @@ __all__ = [
     "StoreStats",
     "Turn",
     "connect",
-    "describe",
+    "database_info",
     "message_hash",
     "text_hash",
 ]

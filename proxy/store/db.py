@@ -11,7 +11,7 @@ Connections are opened in autocommit mode (``isolation_level=None``); callers wr
 ``BEGIN``/``COMMIT`` themselves. Each gets WAL, ``synchronous=NORMAL``, a busy timeout and
 ``foreign_keys=ON``.
 
-:func:`describe` reports the driver, SQLite version, FTS5 and sqlite-vec versions for
+:func:`database_info` reports the driver, SQLite version, FTS5 and sqlite-vec versions for
 ``engram doctor``.
 """
 
@@ -160,7 +160,7 @@ def has_fts5(conn: Connection) -> bool:
     return True
 
 
-def describe(path: str | Path = ":memory:") -> DbInfo:
+def database_info(path: str | Path = ":memory:") -> DbInfo:
     """Driver, SQLite version, FTS5 availability and sqlite-vec version, as ``path`` sees them."""
     conn = connect(path)
     try:

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from yarl import URL
 
-from proxy.api.routes import admin_allowed, check_admin, is_loopback
+from proxy.api.routes import admin_allowed, check_admin, is_loopback_peer
 from proxy.cli.importer import ImportReport, import_records
 from proxy.config import load_settings
 from proxy.errors import Forbidden
@@ -311,7 +311,7 @@ def test_admin_allowed(remote: str | None, auth: str | None, token: str, allowed
 
 
 def test_is_loopback_scoped_ipv6() -> None:
-    assert is_loopback("::1%lo") and not is_loopback("fe80::1%eth0")
+    assert is_loopback_peer("::1%lo") and not is_loopback_peer("fe80::1%eth0")
 
 
 def test_check_admin_on_a_remote_request() -> None:
@@ -333,7 +333,7 @@ def _own_address() -> str | None:
             address: str = s.getsockname()[0]
     except OSError:
         return None
-    return None if is_loopback(address) or address == "0.0.0.0" else address
+    return None if is_loopback_peer(address) or address == "0.0.0.0" else address
 
 
 @pytest.mark.parametrize("token", ["", "s3cret"])

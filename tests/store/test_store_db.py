@@ -44,7 +44,7 @@ def test_readonly_connection_cannot_write(tmp_path: Path) -> None:
 
 
 def test_describe(tmp_path: Path) -> None:
-    info = db.describe(tmp_path / "d.db")
+    info = db.database_info(tmp_path / "d.db")
     assert info.driver == db.driver().name
     assert info.fts5 is True
     assert info.vec_version is not None and info.vec_version.startswith("v")
