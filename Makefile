@@ -1,4 +1,4 @@
-# Every target installs what it needs first. CI runs `make test` (see .ci/run).
+# Every target installs what it needs first. CI runs `make lint`, `make typecheck` and `make test` (see .ci/run).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
