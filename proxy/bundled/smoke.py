@@ -47,7 +47,8 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ""
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a server process (killed after 10 s) and reap it."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -132,6 +133,6 @@ def smoke_test(
                     _tail(log_path),
                 )
         finally:
-            _stop(proc)
+            stop_process(proc)
     log(f"smoke test passed in {time.monotonic() - started:.1f} s: {binary} answered {content!r}")
     return content

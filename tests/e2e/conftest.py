@@ -24,6 +24,7 @@ import pytest
 import pytest_asyncio
 
 from proxy import bundled as llama_server
+from proxy.bundled.smoke import stop_process
 from proxy.services import SERVICES
 from proxy.store.models import Turn
 from testing.harness import Engram, start_engram
@@ -109,22 +110,12 @@ def start_llama_server(log_path: Path) -> LlamaServer:
         if health_status(server.url) == 200:  # 503 until the model is loaded
             return server
         time.sleep(0.1)
-    stop(proc)
+    stop_process(proc)
     pytest.fail(
         f"llama-server did not answer GET /health with 200 within {START_TIMEOUT_S:.0f} s:\n"
         f"{server.log_tail()}",
         pytrace=False,
     )
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -134,7 +125,7 @@ def llama() -> Iterator[LlamaServer]:
         try:
             yield server
         finally:
-            stop(server.process)
+            stop_process(server.process)
 
 
 @pytest_asyncio.fixture
