@@ -30,7 +30,9 @@ class Conversation:
     """One chat request, protocol-neutral."""
 
     body: dict[str, Any]  # the client's body, as its API shapes it (forwarded as sent)
-    messages: list[Message]  # the conversation in the neutral (OpenAI chat) shape
+    # The conversation in the neutral (OpenAI chat) shape, with any lone surrogate (legal in JSON,
+    # not in UTF-8) already replaced by U+FFFD: what the memory stages hash, count and store.
+    messages: list[Message]
     model: str | None = None
     stream: bool = False
     reply_tokens: int | None = None  # the room the client asked for the reply (max_tokens, …)

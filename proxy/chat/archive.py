@@ -120,20 +120,21 @@ class Archive:
         mt.committed = True
         rows = list(await mt.request_rows) if mt.request_rows is not None else []
         now = time.time()
-        if reply_message is not None and (
-            content_text(reply_message.get("content")) or reply_message.get("tool_calls")
-        ):
-            reply_message = without_lone_surrogates(reply_message)
+        text = content_text(reply_message.get("content")) if reply_message is not None else ""
+        if reply_message is not None and (text or reply_message.get("tool_calls")):
+            reply = without_lone_surrogates(reply_message)
             prev = mt.chains[-1] if mt.chains else ""
             position = placement.next_position + len(mt.messages) - placement.matched
-            rows += to_new_turns(
-                [reply_message],
-                [extend_chain(prev, reply_message)],
-                position,
-                self.redact_secrets,
-                now,
-                incomplete=not complete,
-            )
+
+            def make() -> list[NewTurn]:
+                chain = extend_chain(prev, reply)
+                redact = self.redact_secrets
+                return to_new_turns(
+                    [reply], [chain], position, redact, now, incomplete=not complete
+                )
+
+            # A long reply is redacted on a thread: the client is waiting for its last byte.
+            rows += await asyncio.to_thread(make) if len(text) > THREAD_CHARS else make()
         if rows:
             session, inserted = await self.store.write(
                 lambda c: commit_turns(c, placement, rows, now)

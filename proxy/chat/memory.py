@@ -32,7 +32,7 @@ from proxy.chat.rewrite import Rewriter
 from proxy.chat.sessions import PlacementRequest, place
 from proxy.chat.turn import MemoryTurn
 from proxy.config import Settings
-from proxy.messages import anchor_length, chain_hashes, last_user_text, without_lone_surrogates
+from proxy.messages import anchor_length, chain_hashes, last_user_text
 from proxy.search.embedder import Embedder
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
@@ -93,7 +93,7 @@ class MemoryService:
     ) -> MemoryTurn:
         """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
         returns what it decided (``mt.forward_messages``, when set, is the messages to forward)."""
-        messages: list[dict[str, Any]] = without_lone_surrogates(conv.messages)
+        messages = conv.messages
         ident = identify(headers, conv.hints or {})
         housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")

@@ -4,12 +4,16 @@ and the identity one, since its messages are the neutral shape (:mod:`proxy.chat
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from proxy.chat.api import Conversation, Message
 from proxy.errors import BadRequest
+from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class OpenAIChat:
@@ -20,16 +24,19 @@ class OpenAIChat:
 
     def parse(self, raw: bytes) -> Conversation:
         body = parse_chat_body(raw)
+        # A lone surrogate can reach a parsed string only as a JSON escape (raw UTF-8 cannot hold
+        # one), so one scan of the bytes tells whether the memory stages need a cleaned copy.
+        clean = without_lone_surrogates(body) if _SURROGATE_ESCAPE.search(raw) else body
         model = body.get("model")
         reserve = body.get("max_completion_tokens") or body.get("max_tokens")
         valid_reserve = isinstance(reserve, int) and not isinstance(reserve, bool) and reserve > 0
         return Conversation(
             body=body,
-            messages=body["messages"],
+            messages=clean["messages"],
             model=model if isinstance(model, str) else None,
             stream=body.get("stream") is True,
             reply_tokens=reserve if valid_reserve else None,
-            hints=body,
+            hints=clean,
         )
 
     def encode(self, conv: Conversation, messages: list[Message]) -> bytes:

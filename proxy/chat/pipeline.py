@@ -92,7 +92,7 @@ class ChatPipeline:
             # Pure pass-through: nothing parsed, nothing stored, the client's bytes forwarded.
             return await self._forward_raw(request, raw, request_id)
         conv = self.api.parse(raw)
-        turn = ChatTurn(request_id=request_id, mode=mode, conv=conv, raw=raw, stream=conv.stream)
+        turn = ChatTurn(request_id=request_id, mode=mode, conv=conv, raw=raw)
         turn.response_headers["X-Engram-Request-Id"] = request_id
         if self.memory is not None:
             await self._remember(request, turn)

@@ -4,7 +4,6 @@ memory stages' :class:`MemoryTurn` (with its :class:`Placement`). Data only."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +62,6 @@ class ChatTurn:
     mode: str  # the X-Engram-Memory mode
     conv: Conversation  # the request, protocol-neutral
     raw: bytes  # the client's bytes (forwarded as they are when nothing changed)
-    started: float = field(default_factory=time.monotonic)
-    stream: bool = False
     forwarded: list[dict[str, Any]] | None = None  # the messages forwarded, when changed
     response_headers: dict[str, str] = field(default_factory=dict)
     memory: MemoryTurn | None = None

@@ -284,6 +284,23 @@ async def test_odd_but_accepted_requests_are_archived(
     assert fake.chat_requests()[-1].json()["model"] == "m"
 
 
+@pytest.mark.asyncio
+async def test_lone_surrogate_in_the_body_user_names_a_user_and_is_archived(
+    engram: Engram, http: aiohttp.ClientSession
+) -> None:
+    raw = b'{"model": "m", "user": "odd\\udfff", "messages": [{"role": "user", "content": "hi"}]}'
+    headers = {"Content-Type": "application/json", "X-Engram-Session": "odd-user"}
+    async with http.post(engram.url + "/v1/chat/completions", data=raw, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        await r.read()
+    await settle(engram)
+    store = engram.app[SERVICES].store
+    stored = await store.session_turns("odd-user")
+    assert [t.content for t in stored] == ["hi", "echo: hi"]
+    session = await store.get_session("odd-user")
+    assert session is not None and session.user_id.startswith("h-")  # the cleaned name, hashed
+
+
 JSON_LEAF = st.one_of(
     st.none(),
     st.booleans(),

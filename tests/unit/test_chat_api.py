@@ -55,6 +55,16 @@ def test_parse_rejects_with_a_precise_400(raw: bytes, code: str) -> None:
     assert err.value.code == code
 
 
+def test_lone_surrogates_are_cleaned_for_memory_not_for_the_upstream() -> None:
+    raw = b'{"user": "ev\\udc00e", "messages": [{"role": "user", "content": "a \\ud800 b"}]}'
+    conv = API.parse(raw)
+    assert conv.messages == [{"role": "user", "content": "a \ufffd b"}]
+    assert conv.hints is not None and conv.hints["user"] == "ev\ufffde"
+    assert conv.body["messages"][0]["content"] == "a \ud800 b"  # forwarded as sent
+    plain = API.parse(b'{"messages": [{"role": "user", "content": "no escape \\\\ud800"}]}')
+    assert plain.messages is plain.body["messages"]  # nothing to clean: no copy made
+
+
 def test_encode_changes_only_the_messages() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "a"}], "x": [1, None]}
     conv = API.parse(json.dumps(body).encode())
