@@ -9,7 +9,9 @@ untouched.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -17,8 +19,10 @@ from aiohttp import web
 
 from proxy.api.routes import add_routes as add_admin_routes
 from proxy.api.status import health, metrics
+from proxy.auth import PRINCIPAL
 from proxy.config import Settings
 from proxy.errors import (
+    BadRequest,
     EngramError,
     Forbidden,
     NotFound,
@@ -36,6 +40,7 @@ access_log = logging.getLogger("engram.access")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]", "localhost.localdomain"})
+ADMIN_PATHS = ("/engram/api", "/engram/metrics")
 
 
 def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) -> web.Application:
@@ -82,13 +87,7 @@ def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamRespons
         start = time.perf_counter()
         status = 500
         try:
-            host = request.headers.get("Host")
-            if allowed is not None and host is not None and _hostname(host) not in allowed:
-                raise Forbidden(
-                    f"Host {host!r} is not allowed. Engram answers only to "
-                    f"{', '.join(sorted(allowed))}; add other names to server.allowed_hosts.",
-                    code="host_not_allowed",
-                )
+            check_host(request.headers.get("Host"), allowed)
             if (
                 origins
                 and request.method == "OPTIONS"
@@ -97,6 +96,7 @@ def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamRespons
             ):
                 resp: web.StreamResponse = web.Response(status=204)
             else:
+                await _authenticate(request)
                 resp = await handler(request)
             status = resp.status
             return resp
@@ -135,15 +135,51 @@ def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamRespons
     return middleware
 
 
-def _allowed_hosts(settings: Settings) -> set[str] | None:
-    """Host names accepted, or None when any is (a network bind with no allow-list)."""
+async def _authenticate(request: web.Request) -> None:
+    """The request's :class:`~proxy.auth.Principal`, kept in ``request[PRINCIPAL]``; a 401
+    when it may not use the route. ``/engram/health`` is open (it shows no memory)."""
+    path = request.path
+    auth = request.app[SERVICES].auth
+    if path.startswith(ADMIN_PATHS):
+        request[PRINCIPAL] = await auth.admin(request.headers, request.remote)
+    elif not path.startswith("/engram/"):
+        request[PRINCIPAL] = await auth.client(request.headers)
+
+
+def _allowed_hosts(settings: Settings) -> frozenset[str]:
+    """Host names accepted besides IP literals: loopback names, the bound host, this machine's
+    names when bound beyond loopback, and ``server.allowed_hosts``."""
     server = settings.server
-    allowed = {h.lower() for h in server.allowed_hosts}
-    if server.host in ("127.0.0.1", "::1", "localhost") or server.host.startswith("127."):
-        return allowed | LOOPBACK_NAMES | {server.host.lower()}
-    if not allowed:
-        return None
-    return allowed | {server.host.lower()}
+    allowed = {h.lower() for h in server.allowed_hosts} | LOOPBACK_NAMES | {server.host.lower()}
+    if server.host not in LOOPBACK_NAMES and not server.host.startswith("127."):
+        allowed |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+    return frozenset(allowed)
+
+
+def check_host(host: str | None, allowed: frozenset[str]) -> None:
+    """DNS-rebinding protection: a 403 unless the Host header is an IP literal (a page can only
+    rebind a name) or an allowed name; a 400 without one (HTTP/1.0 clients must send it too)."""
+    if host is None or not host.strip():
+        raise BadRequest(
+            "A Host header is required (Engram checks it against DNS rebinding).",
+            code="host_required",
+        )
+    name = _hostname(host)
+    if name in allowed or _is_ip_literal(name):
+        return
+    raise Forbidden(
+        f"Host {host!r} is not allowed. Engram answers to IP addresses and "
+        f"{', '.join(sorted(allowed))}; add other names to server.allowed_hosts.",
+        code="host_not_allowed",
+    )
+
+
+def _is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name[1:-1] if name.startswith("[") else name)
+    except ValueError:
+        return False
+    return True
 
 
 def _cors_origin(request: web.Request, origins: set[str]) -> str | None:

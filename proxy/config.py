@@ -82,6 +82,32 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class AuthSettings:
+    """[auth] — who may use Engram, and as which user."""
+
+    mode: str = opt(
+        "none",
+        "none: no accounts; the user comes from identity headers or the client's key, and "
+        "Engram binds loopback only (a laptop). keys: every request needs one of Engram's keys "
+        "(Authorization: Bearer or x-api-key; `engram keys create --user NAME`), whose user "
+        "it is; identity headers cannot override it (a shared server).",
+        choices=("none", "keys"),
+    )
+    trusted_proxy_secret: str = opt(
+        "",
+        "A front-end that authenticates its own users (Open WebUI and the like) sends this as "
+        "its API key; its requests' identity headers (X-OpenWebUI-User-Id, X-Engram-User) then "
+        "choose the user. Empty: no front-end is trusted. At least 32 characters.",
+        pattern=r"|\S{32,}",
+    )
+    loopback_admin: bool = opt(
+        False,
+        "Let loopback clients use the admin API without the admin token (auth.mode = none "
+        "only). Off: a same-host reverse proxy or another local user's program cannot.",
+    )
+
+
+@dataclass(frozen=True)
 class UpstreamSettings:
     """[upstream] — the model server Engram forwards to."""
 
@@ -118,6 +144,12 @@ class UpstreamSettings:
     max_connections: int = opt(
         256, "Most simultaneous connections to the upstream (0 = no limit).", min=0
     )
+    api_key: str = opt(
+        "",
+        "Key sent to the upstream as Authorization: Bearer, in place of whatever credential "
+        "the client sent (with auth.mode = keys the client's key is Engram's and never goes "
+        "upstream). Empty: the client's own Authorization is forwarded (mode none) or none is.",
+    )
 
 
 @dataclass(frozen=True)
@@ -142,8 +174,9 @@ class MemorySettings:
     )
     admin_token: str = opt(
         "",
-        "Token required (Authorization: Bearer) by /engram/api/* from non-loopback clients. "
-        "Empty: the admin API answers loopback clients only.",
+        "Token the admin API (/engram/api/*) requires as Authorization: Bearer. Empty: one is "
+        "generated at first start into the file <db_path>.admin-token (mode 0600), which the "
+        "engram command reads (`engram keys admin-token` prints it).",
     )
 
 
@@ -399,6 +432,7 @@ class Settings:
     """All of Engram's settings."""
 
     server: ServerSettings = field(default_factory=ServerSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
     upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     embedder: EmbedderSettings = field(default_factory=EmbedderSettings)

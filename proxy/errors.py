@@ -3,7 +3,9 @@
     EngramError                    any error Engram itself raises (status, type, code, param)
     ├── BadRequest                 400 invalid_request_error: the client sent something unusable
     │   └── NestingLimitExceeded   400 a sub-agent nested deeper than sessions.max_depth
-    ├── Forbidden                  403 a Host header or origin Engram refuses
+    ├── Unauthorized               401 no credential, or one Engram does not know (auth)
+    ├── Forbidden                  403 a Host header or origin Engram refuses; a key that may
+    │                                  not do what it asks
     ├── NotFound                   404 an Engram route or object that does not exist
     │   └── ParentNotFound         404 X-Engram-Parent names no session of this user
     ├── PayloadTooLarge            413 a body over server.max_body_bytes
@@ -47,6 +49,11 @@ class EngramError(Exception):
 class BadRequest(EngramError):
     status = 400
     type = "invalid_request_error"
+
+
+class Unauthorized(EngramError):
+    status = 401
+    type = "authentication_error"
 
 
 class Forbidden(EngramError):

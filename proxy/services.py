@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from proxy import bundled
+from proxy.auth import Authenticator, load_admin_token
 from proxy.background.consolidation import Consolidator
 from proxy.background.feedback import Feedback
 from proxy.background.handback import Handback
@@ -66,6 +67,7 @@ class Services:
     tasks: BackgroundTasks
     pipeline: ChatPipeline
     parts: MemoryParts | None
+    auth: Authenticator
 
     def require_memory(self) -> MemoryParts:
         """The memory parts; RuntimeError when memory is disabled (for tools and benchmarks)."""
@@ -118,15 +120,23 @@ async def open_services(
             if proc is not None:
                 closing("stopping the bundled model server", lambda: bundled.stop_upstream(proc))
         _announce(info)
-        upstream = Upstream(settings.upstream, info)
+        upstream = Upstream(settings.upstream, info, keep_client_key=settings.auth.mode == "none")
         closing("closing the upstream client", upstream.close)
         tasks = BackgroundTasks()
         enabled = settings.memory.enabled
-        parts = await _open_memory(settings, tasks, upstream, closing) if enabled else None
+        path = db_path(settings.memory.db_path)
+        store: Store | None = None
+        if enabled or settings.auth.mode == "keys":  # keys live in the database
+            store = Store(path)
+            await store.open()
+            closing("closing the database", store.close)
+        parts = await _open_memory(settings, store, tasks, upstream, closing) if store else None
+        token = await asyncio.to_thread(load_admin_token, settings.memory.admin_token, path)
+        auth = Authenticator(settings.auth, store, token)
         # Registered after the memory parts, so it runs before they close.
         closing("draining background tasks", lambda: tasks.drain(settings.server.shutdown_timeout))
         pipeline = ChatPipeline(settings, upstream, tasks, parts.memory if parts else None)
-        services = Services(settings, started, upstream, tasks, pipeline, parts)
+        services = Services(settings, started, upstream, tasks, pipeline, parts, auth)
         if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
             size = await upstream.context_size()
             event(
@@ -167,14 +177,14 @@ def _loops(s: Services) -> list[asyncio.Task[None]]:
 
 async def _open_memory(
     settings: Settings,
+    store: Store,
     tasks: BackgroundTasks,
     upstream: Upstream,
     closing: Callable[[str, Callable[[], Awaitable[object]]], None],
-) -> MemoryParts:
-    path = db_path(settings.memory.db_path)
-    store = Store(path)
-    await store.open()
-    closing("closing the database", store.close)
+) -> MemoryParts | None:
+    if not settings.memory.enabled:
+        return None
+    path = store.path
     embedder = await _load_embedder(settings)
     if embedder is not None:
         closing("stopping the embedder", embedder.aclose)

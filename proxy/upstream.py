@@ -66,6 +66,17 @@ def forward_headers(headers: Mapping[str, str], *, drop: Iterable[str] = ()) -> 
     return out
 
 
+def upstream_credentials(headers: Mapping[str, str], api_key: str) -> CIMultiDict[str]:
+    """``headers`` without the client's credentials, with ``Authorization: Bearer <api_key>``
+    when one is configured."""
+    out = CIMultiDict(
+        (k, v) for k, v in headers.items() if k.lower() not in ("authorization", "x-api-key")
+    )
+    if api_key:
+        out["Authorization"] = f"Bearer {api_key}"
+    return out
+
+
 def response_headers(headers: Mapping[str, str], *, keep_cors: bool) -> CIMultiDict[str]:
     """Upstream response headers to relay: hop-by-hop removed; CORS removed unless configured."""
     remove = set(HOP_BY_HOP)
@@ -106,9 +117,14 @@ class UpstreamInfo:
 class Upstream:
     """The pooled HTTP client to the model server. Create inside a running event loop."""
 
-    def __init__(self, settings: UpstreamSettings, info: UpstreamInfo) -> None:
+    def __init__(
+        self, settings: UpstreamSettings, info: UpstreamInfo, keep_client_key: bool = True
+    ) -> None:
+        """``keep_client_key`` off (``auth.mode = "keys"``: the client's key is Engram's): the
+        client's credentials never go upstream. ``settings.api_key``, when set, replaces them."""
         self.settings = settings
         self.info = info
+        self._replace_key = bool(settings.api_key) or not keep_client_key
         self.base = URL(info.url)
         self._ctx_cache: dict[str, tuple[int | None, float]] = {}  # key -> (size, when)
         self._ctx_lock = asyncio.Lock()
@@ -139,6 +155,8 @@ class Upstream:
             if len(self._urls) > 1024:
                 self._urls.clear()
             url = self._urls[raw_path] = join_url(self.base, raw_path)
+        if self._replace_key:
+            headers = upstream_credentials(headers, self.settings.api_key)
         # Large bodies go as a stream so aiohttp does not copy them in one blocking write.
         data: bytes | io.BytesIO | None = body or None
         if body and len(body) > _LARGE_BODY:

@@ -48,12 +48,16 @@ class Engram:
 
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     """Engram on a free port with its own database in a temporary folder. Unless a test says
-    otherwise it uses the deterministic hash embedder (tests about memory use the real model)."""
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model),
+    and loopback clients may use the admin API without the token (``auth.loopback_admin``)."""
     tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {"url": upstream_url},
         "memory": {"db_path": f"{tmp.name}/engram.db"},
         "embedder": {"model": "hash"},
+        # Tests of other things reach the admin API from loopback without the token; the
+        # tests of access control set this back to False (the default).
+        "auth": {"loopback_admin": True},
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)

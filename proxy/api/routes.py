@@ -14,18 +14,16 @@
     GET    /engram/api/slots/{id}               one of the user's tool-result slots
 
 The user namespace comes from ``X-Engram-User``, else the ``user`` query parameter, else
-``default``, cleaned as the chat pipeline cleans it. Another user's session or slot is a 404,
-exactly like a missing (or expired) one. Only loopback clients are answered, unless
-``memory.admin_token`` is set and the client sends ``Authorization: Bearer <token>``. The JSON
+``default``, cleaned as the chat pipeline cleans it; a user's own key (``auth.mode = "keys"``)
+acts on that user only. Another user's session or slot is a 404, exactly like a missing (or
+expired) one. Who may call it at all is :mod:`proxy.auth`'s decision, made in the middleware:
+the admin token, an Engram key, or (``auth.loopback_admin``) a loopback client. The JSON
 shaping and parameter checks (:mod:`proxy.api.views`) are shared with the ``engram`` command.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hmac
-import ipaddress
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -48,6 +46,7 @@ from proxy.api.views import (
     slot_json,
     turn_json,
 )
+from proxy.auth import PRINCIPAL, Principal
 from proxy.background.stats import token_figures
 from proxy.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
 from proxy.jsonl import export_line
@@ -69,47 +68,24 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # --- access -------------------------------------------------------------------------------------
 
 
-def is_loopback_peer(remote: str | None) -> bool:
-    """Whether a peer address is a loopback one (IPv4-mapped IPv6 included)."""
-    if not remote:
-        return False
-    try:
-        addr = ipaddress.ip_address(remote.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        return addr.ipv4_mapped.is_loopback
-    return addr.is_loopback
-
-
-def admin_allowed(remote: str | None, authorization: str | None, token: str) -> bool:
-    """Loopback clients always; others only with ``Authorization: Bearer <token>``."""
-    if is_loopback_peer(remote):
-        return True
-    if not token or not authorization:
-        return False
-    scheme, _, given = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
-
-
-def check_admin(request: web.Request, token: str) -> None:
-    """A 403 unless the client may use the admin API (``token``: ``memory.admin_token``)."""
-    if not admin_allowed(request.remote, request.headers.get("Authorization"), token):
-        hint = (
-            "send Authorization: Bearer <memory.admin_token>"
-            if token
-            else "set memory.admin_token to allow other clients"
-        )
-        raise Forbidden(
-            f"The admin API answers loopback clients only; {hint}.", code="admin_forbidden"
-        )
-
-
 def request_user(request: web.Request) -> str:
-    """The user namespace a request names (``X-Engram-User``, else ``?user=``)."""
-    return clean_user(request.headers.get("X-Engram-User") or request.query.get("user"))
+    """The user namespace a request may act on. The admin token and admin keys choose it
+    (``X-Engram-User``, else ``?user=``, else the key's own user, else ``default``); a user's
+    key acts on its own user only, and naming another is a 403."""
+    principal: Principal | None = request.get(PRINCIPAL)
+    if principal is None:  # the middleware authenticates every admin route
+        raise Forbidden("The admin API needs a credential.", code="admin_forbidden")
+    named = request.headers.get("X-Engram-User") or request.query.get("user")
+    if principal.admin:
+        return clean_user(named) if named else (principal.user or clean_user(None))
+    assert principal.user is not None
+    if named and clean_user(named) != principal.user:
+        raise Forbidden(
+            f"This key belongs to user {principal.user!r}: it cannot act on another user's "
+            "memory (only admin keys and the admin token choose the user).",
+            code="not_your_user",
+        )
+    return principal.user
 
 
 # --- handlers -----------------------------------------------------------------------------------
@@ -337,25 +313,16 @@ async def slot_handler(request: web.Request) -> web.Response:
     return web.json_response(slot_json(*found))
 
 
-def _guarded(handler: Handler) -> Handler:
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        check_admin(request, request.app[SERVICES].settings.memory.admin_token)
-        return await handler(request)
-
-    return wrapped
-
-
 def add_routes(app: web.Application) -> None:
     """Register the admin routes (before the ``/engram/{tail}`` catch-all)."""
-    app.router.add_get(f"{PREFIX}/search", _guarded(search_handler))
-    app.router.add_get(f"{PREFIX}/sessions", _guarded(sessions_handler))
-    app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}/requests/last", _guarded(last_request_handler))
-    app.router.add_post(f"{PREFIX}/sessions/{{id:.+}}/complete", _guarded(complete_handler))
-    app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}", _guarded(session_handler))
-    app.router.add_delete(f"{PREFIX}/sessions/{{id:.+}}", _guarded(delete_handler))
-    app.router.add_get(f"{PREFIX}/export", _guarded(export_handler))
-    app.router.add_post(f"{PREFIX}/feedback", _guarded(feedback_handler))
-    app.router.add_post(f"{PREFIX}/consolidate", _guarded(consolidate_handler))
-    app.router.add_get(f"{PREFIX}/stats", _guarded(stats_handler))
-    app.router.add_get(f"{PREFIX}/slots/{{id}}", _guarded(slot_handler))
+    app.router.add_get(f"{PREFIX}/search", search_handler)
+    app.router.add_get(f"{PREFIX}/sessions", sessions_handler)
+    app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}/requests/last", last_request_handler)
+    app.router.add_post(f"{PREFIX}/sessions/{{id:.+}}/complete", complete_handler)
+    app.router.add_get(f"{PREFIX}/sessions/{{id:.+}}", session_handler)
+    app.router.add_delete(f"{PREFIX}/sessions/{{id:.+}}", delete_handler)
+    app.router.add_get(f"{PREFIX}/export", export_handler)
+    app.router.add_post(f"{PREFIX}/feedback", feedback_handler)
+    app.router.add_post(f"{PREFIX}/consolidate", consolidate_handler)
+    app.router.add_get(f"{PREFIX}/stats", stats_handler)
+    app.router.add_get(f"{PREFIX}/slots/{{id}}", slot_handler)

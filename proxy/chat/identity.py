@@ -1,7 +1,8 @@
 """Who is asking and which conversation this is: headers, body fields, key hash; housekeeping.
 
-Pure functions. The user namespace comes from explicit headers or body fields, else a hash of the
-API key (never the key), else ``default``. The session comes from an explicit id, else from the
+Pure functions. With ``auth.mode = "keys"`` the user is the key's (:mod:`proxy.auth`); otherwise
+the user namespace comes from explicit headers or body fields, else a hash of the client's API key
+(never the key), else ``default``. The session comes from an explicit id, else from the
 hash chain over the messages (:func:`proxy.messages.chain_hashes`), matched against stored turns
 by :func:`proxy.chat.sessions.place`.
 """
@@ -25,9 +26,14 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:@/+=~-]{1,200}$")
 class Identity:
     user: str
     explicit_session: str | None
-    user_source: str  # header | body | api-key | default
+    user_source: str  # key (Engram's, auth.mode = keys) | header | body | api-key | default
     parent: str | None = None  # X-Engram-Parent: this is a sub-agent of that session
     agent: str | None = None  # X-Engram-Agent: the sub-agent's label
+
+
+def is_safe_id(text: str) -> bool:
+    """Whether ``text`` is a user or session id as Engram keeps it (no cleaning needed)."""
+    return bool(_SAFE_ID.match(text))
 
 
 def _clean_id(value: Any) -> str | None:
@@ -42,10 +48,13 @@ def _clean_id(value: Any) -> str | None:
     return "h-" + hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def identify(headers: Mapping[str, str], body: Mapping[str, Any]) -> Identity:
-    """User namespace and explicit session id (if the client sent one)."""
-    user, source = None, "default"
-    for name in USER_HEADERS:
+def identify(
+    headers: Mapping[str, str], body: Mapping[str, Any], user: str | None = None
+) -> Identity:
+    """User namespace and explicit session id (if the client sent one). ``user``: the user of
+    the request's credential (``auth.mode = "keys"``), which nothing in the request overrides."""
+    source = "key" if user else "default"
+    for name in USER_HEADERS if not user else ():
         user = _clean_id(headers.get(name))
         if user:
             source = "header"

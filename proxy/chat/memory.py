@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from proxy.auth import ANONYMOUS, Principal
 from proxy.background.feedback import Feedback
 from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
@@ -32,6 +33,7 @@ from proxy.chat.rewrite import Rewriter
 from proxy.chat.sessions import PlacementRequest, place
 from proxy.chat.turn import MemoryTurn
 from proxy.config import Settings
+from proxy.errors import BadRequest
 from proxy.messages import anchor_length, chain_hashes, last_user_text
 from proxy.search.embedder import Embedder
 from proxy.search.retrieval import Retriever
@@ -89,12 +91,23 @@ class MemoryService:
         return self.rewriter.last_requests
 
     async def before_forward(
-        self, headers: Mapping[str, str], conv: Conversation, mode: str
+        self,
+        headers: Mapping[str, str],
+        conv: Conversation,
+        mode: str,
+        principal: Principal = ANONYMOUS,
     ) -> MemoryTurn:
         """Identify, schedule the archive, retrieve and inject. Mutates nothing it is given;
-        returns what it decided (``mt.forward_messages``, when set, is the messages to forward)."""
+        returns what it decided (``mt.forward_messages``, when set, is the messages to forward).
+        ``principal``: who authenticated the request (its key's user wins over any header)."""
         messages = conv.messages
-        ident = identify(headers, conv.hints or {})
+        ident = identify(headers, conv.hints or {}, principal.user)
+        if principal.via == "trusted-proxy" and ident.user_source not in ("header", "body"):
+            raise BadRequest(
+                "A trusted front-end (auth.trusted_proxy_secret) must name the user: send "
+                "X-OpenWebUI-User-Id or X-Engram-User.",
+                code="user_required",
+            )
         housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")
         recall = mode in ("on", "read-only")

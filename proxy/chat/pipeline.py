@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.auth import ANONYMOUS, PRINCIPAL
 from proxy.chat.api import ChatAPI
 from proxy.chat.memory import MemoryService
 from proxy.chat.openai_chat import OpenAIChat
@@ -155,7 +156,8 @@ class ChatPipeline:
         """The memory stages before forwarding. A failure degrades memory, never the request."""
         assert self.memory is not None
         try:
-            mt = await self.memory.before_forward(request.headers, turn.conv, turn.mode)
+            principal = request.get(PRINCIPAL, ANONYMOUS)
+            mt = await self.memory.before_forward(request.headers, turn.conv, turn.mode, principal)
         except EngramError:
             raise  # the request itself is wrong (e.g. a sub-agent nested too deep): a 4xx
         except Exception:

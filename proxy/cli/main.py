@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import __version__, logs
+from proxy.cli import keys
 from proxy.config import ConfigError, Settings, as_dict, load_settings, render_defaults
 
 log = logging.getLogger("engram.cli")
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--db", metavar="PATH", help="the memory database file")
 
     _memory_commands(sub)
+    keys.add_parser(sub, _common)
 
     cfg = sub.add_parser("config", help="print settings")
     _common(cfg)
@@ -137,6 +139,43 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+KEY_HINT = "create one with `engram keys create --user NAME` (same --db / --config as serve)"
+
+
+def remote_refusal(settings: Settings) -> str | None:
+    """Why a non-loopback bind must not start (None when it may): it needs allow_remote, and
+    accounts (auth.mode = keys) with at least one key or a trusted front-end."""
+    server, auth = settings.server, settings.auth
+    if is_loopback_host(server.host):
+        return None
+    if not server.allow_remote:
+        return (
+            "it is not a loopback address and would expose your memory to the network. "
+            "Pass --allow-remote (or set server.allow_remote = true) if you mean it, with "
+            "auth.mode = keys."
+        )
+    if auth.mode != "keys":
+        return (
+            "auth.mode is 'none', so anyone on the network could read and write every user's "
+            f"memory. Set auth.mode = keys (ENGRAM_AUTH_MODE=keys) and {KEY_HINT}."
+        )
+    if not auth.trusted_proxy_secret and not _active_keys(settings):
+        return f"auth.mode = keys but the database holds no key yet: {KEY_HINT}."
+    return None
+
+
+def _active_keys(settings: Settings) -> int:
+    from proxy.paths import db_path
+    from proxy.store.keys import count_active_keys
+    from proxy.store.store import Store
+
+    async def count() -> int:
+        async with Store(db_path(settings.memory.db_path)) as store:
+            return await store.read(count_active_keys)
+
+    return asyncio.run(count())
+
+
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
     """uvloop when asked for or available (``auto``), else the standard loop."""
     if kind in ("auto", "uvloop"):
@@ -167,18 +206,17 @@ def _serve(settings: Settings) -> int:
     from proxy.app import create_app  # imported late: `engram config` needs no aiohttp app
 
     server = settings.server
+    refusal = remote_refusal(settings)
+    if refusal:
+        print(f"engram: refusing to bind {server.host}: {refusal}", file=sys.stderr)
+        return 2
     if not is_loopback_host(server.host):
-        if not server.allow_remote:
-            print(
-                f"engram: refusing to bind {server.host}: it is not a loopback address and "
-                "would expose your memory to the network. Pass --allow-remote "
-                "(or set server.allow_remote = true) if you mean it.",
-                file=sys.stderr,
-            )
-            return 2
         log.warning(
-            "binding %s: Engram and your memory are reachable from the network", server.host
+            "binding %s: Engram is reachable from the network; every request needs a key",
+            server.host,
         )
+    elif settings.auth.mode == "keys" and not _active_keys(settings):
+        log.warning("auth.mode = keys but no key exists: every request gets a 401; %s", KEY_HINT)
     app = create_app(settings)
 
     def announce(text: str) -> None:
@@ -210,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
         if args.command == "serve":
             return serve(settings)
+        if args.command == "keys":
+            return keys.run(args, settings)
         if args.command in MEMORY_COMMANDS:
             from proxy.cli import commands  # imported late: it loads the store and the embedder
 

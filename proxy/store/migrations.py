@@ -299,6 +299,27 @@ def _m006_deferred_index(conn: Connection) -> None:
     )
 
 
+def _m007_api_keys(conn: Connection) -> None:
+    """Engram's own API keys (``auth.mode = "keys"``): a key names its user; only a hash of
+    its secret part is kept. Not tied to ``users`` by a foreign key: a key may be made for a
+    user before that user has any memory, and forgetting a user's memory keeps their key."""
+    _execute_script(
+        conn,
+        """
+        CREATE TABLE api_keys (
+            id          TEXT PRIMARY KEY,       -- the public part, shown by `engram keys list`
+            user_id     TEXT NOT NULL,
+            secret_hash TEXT NOT NULL,          -- sha256 of the secret part, hex
+            admin       INTEGER NOT NULL DEFAULT 0,
+            label       TEXT NOT NULL DEFAULT '',
+            created_at  REAL NOT NULL,
+            revoked_at  REAL                    -- NULL while the key works
+        );
+        CREATE INDEX api_keys_user ON api_keys(user_id);
+        """,
+    )
+
+
 Migration = Callable[[Connection], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -308,6 +329,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (4, _m004_feedback),
     (5, _m005_slots),
     (6, _m006_deferred_index),
+    (7, _m007_api_keys),
 )
 """(version, function), ascending. Append only."""
 
