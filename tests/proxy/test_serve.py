@@ -135,10 +135,12 @@ async def test_sigkill_during_burst_leaves_an_intact_database(tmp_path: Path) ->
                 ) as r:
                     await r.read()
 
+        token = (tmp_path / "engram.db.admin-token").read_text().strip()
+        admin = {"Authorization": f"Bearer {token}"}
         async with aiohttp.ClientSession() as http:
             burst = asyncio.gather(*(one(i, http) for i in range(300)))
             for _ in range(400):  # kill it mid-burst, once it has archived something
-                async with http.get(url + "/engram/metrics") as r:
+                async with http.get(url + "/engram/metrics", headers=admin) as r:
                     if "engram_turns_archived_total 0\n" not in await r.text():
                         break
                 await asyncio.sleep(0.025)
