@@ -46,7 +46,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn() -> tuple[subprocess.Popen[bytes], str]:
+def spawn() -> tuple[subprocess.Popen[bytes], str, str]:
     port = free_port()
     db = Path(tempfile.mkdtemp(prefix="engram-demo-")) / "demo.db"
     print(f"starting engram serve on port {port} with a throw-away database {db} ...")
@@ -60,7 +60,8 @@ def spawn() -> tuple[subprocess.Popen[bytes], str]:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit("engram serve did not start; see its log above")
         time.sleep(0.5)
-    return proc, url
+    token = Path(str(db) + ".admin-token").read_text().strip()  # made at first start
+    return proc, url, token
 
 
 def say(client: OpenAI, messages: list[dict[str, str]]) -> tuple[str, dict[str, str]]:
@@ -78,11 +79,17 @@ def say(client: OpenAI, messages: list[dict[str, str]]) -> tuple[str, dict[str, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8787")
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("ENGRAM_ADMIN_TOKEN", ""),
+        help="the running server's admin token (`engram keys admin-token` prints it)",
+    )
     args = parser.parse_args()
     proc = None
     url = args.url.rstrip("/")
+    token = args.admin_token
     if not healthy(url):
-        proc, url = spawn()
+        proc, url, token = spawn()
     try:
         client = OpenAI(base_url=url + "/v1", api_key="not-needed")
         print(f"\n— conversation 1 —\nuser: {FACT}")
@@ -103,7 +110,8 @@ def main() -> int:
             f"{headers.get('x-engram-prompt-tokens', '?')})."
         )
         req = urllib.request.Request(
-            f"{url}/engram/api/sessions/{session}/requests/last", headers={"X-Engram-User": USER}
+            f"{url}/engram/api/sessions/{session}/requests/last",
+            headers={"X-Engram-User": USER, "Authorization": f"Bearer {token}"},
         )
         with urllib.request.urlopen(req, timeout=5) as r:
             last = json.load(r)
