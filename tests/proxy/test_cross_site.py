@@ -34,7 +34,12 @@ JSON = {"Content-Type": "application/json"}
 @pytest_asyncio.fixture
 async def quiet(fake: FakeUpstream) -> AsyncIterator[Engram]:
     """Engram with no background upstream calls of its own, so every upstream request counts."""
-    e = await start_engram(fake.url, summary={"enabled": False})
+    e = await start_engram(
+        fake.url,
+        summary={"enabled": False},
+        # Consolidation would run at once if asked: nothing but a request could start it.
+        consolidation={"budget_share": 0.5, "interval": 0, "max_tokens": 64},
+    )
     try:
         yield e
     finally:
@@ -101,7 +106,11 @@ async def test_a_page_elsewhere_cannot_chat_into_memory(
 async def test_a_page_elsewhere_cannot_run_the_admin_api(
     quiet: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    # Something for consolidation to do: a request flagged unhelpful, by a real client.
+    # Something for consolidation to do, and the traffic to pay for it: a request flagged
+    # unhelpful, by a real client.
+    filler = json.dumps({"messages": [{"role": "user", "content": "Let us talk. " * 300}]})
+    async with http.post(quiet.url + "/v1/chat/completions", data=filler, headers=JSON) as r:
+        assert r.status == 200
     async with http.post(quiet.url + "/v1/chat/completions", data=CHAT, headers=JSON) as r:
         assert r.status == 200
         request_id = r.headers["X-Engram-Request-Id"]
