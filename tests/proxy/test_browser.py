@@ -8,7 +8,8 @@ fetch and by <form>, a multipart upload and a text/plain post to pass-through ro
 Before the change the text/plain chat was stored in ``default``, consolidation ran and the
 pass-through posts reached the model server. Now nothing is stored, the flagged request is still
 waiting, the fake upstream receives nothing, and Engram's access log shows each request arrived
-and got a 403.
+and got a 403. A web app whose origin is listed in ``server.cors_origins`` still chats through
+CORS (and reads Engram's headers), but never reaches the admin API.
 
 Chromium missing: skipped with the reason; under CI (``CI=true``) that is a failure, since
 ``make test`` installs it (see the Makefile).
@@ -150,5 +151,32 @@ async def test_a_page_on_another_origin_writes_nothing(
         # The legitimate client still works.
         async with http.post(engram.url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 200
+    finally:
+        await engram.close()
+
+
+async def test_a_configured_web_app_chats_through_cors_but_never_reaches_the_admin_api(
+    chromium: str, attacker: int, fake: FakeUpstream
+) -> None:
+    app = f"http://localhost:{attacker}"
+    engram = await start_engram(
+        fake.url, server={"cors_origins": [app]}, summary={"enabled": False}
+    )
+    try:
+        async with Chromium.start(chromium) as browser:
+            page = await browser.open(app + "/attack.html")
+            out = await page.evaluate(f"friend({json.dumps(engram.url)})", 60)
+            assert out["chat"] == "200 echo: a configured app's question", out
+            assert out["memories"] == "0", out  # Engram's headers are exposed to it
+            assert out["stats"] == "blocked TypeError", out  # 403, and no CORS headers
+            # The same page from an origin not listed (127.0.0.1: same-site) is refused.
+            page = await browser.open(f"http://127.0.0.1:{attacker}/attack.html")
+            other = await page.evaluate(f"friend({json.dumps(engram.url)})", 60)
+            assert other["chat"] == "blocked TypeError", other
+        await settle(engram)
+        turns = await engram.app[SERVICES].store.read(
+            lambda c: [str(r[0]) for r in c.execute("SELECT content FROM turns")]
+        )
+        assert sorted(turns) == ["a configured app's question", "echo: a configured app's question"]
     finally:
         await engram.close()
