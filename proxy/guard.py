@@ -9,8 +9,8 @@ passes the Host check. So, before any handler runs (:func:`check`):
   from browsers that do not send that header, an ``Origin`` that is not Engram's own (``null``,
   from sandboxed frames and ``file://`` pages, included). Clients that are not browsers (curl, the
   SDKs) send neither header and are not affected. A foreign request is refused (403) unless its
-  origin is listed in ``server.cors_origins`` — for every method but GET and HEAD, on every route:
-  chat, the admin API and pass-through alike.
+  origin is listed in ``server.cors_origins`` — for every method but GET and HEAD (and those too
+  when they ask for a WebSocket), on every route: chat, the admin API and pass-through alike.
 - **Engram's own routes** (``/engram/...``) answer only their own origin: the admin API
   (``/engram/api``) to no other origin with any method, configured or not, and the rest (health,
   metrics, the inspector page) to GET and HEAD only. They never carry CORS headers.
@@ -164,13 +164,17 @@ def source(
     return Source.OWN if site is None else Source.FOREIGN
 
 
-def cross_site_error(method: str, path: str, src: Source, origin: str | None) -> Forbidden | None:
-    """The 403 for a request another web page may not make; None when it may go on."""
+def cross_site_error(
+    method: str, path: str, src: Source, origin: str | None, upgrade: bool = False
+) -> Forbidden | None:
+    """The 403 for a request another web page may not make; None when it may go on.
+    ``upgrade``: the request asks to switch protocols (a WebSocket, which CORS never guards)."""
     if src is Source.OWN:
         return None
     shown = origin if origin is not None else "another site"
+    read = method in SAFE_METHODS and not upgrade
     if is_engram_path(path):
-        if method in SAFE_METHODS and not is_admin_path(path):
+        if read and not is_admin_path(path):
             return None
         return Forbidden(
             f"Cross-site request refused: {method} {path} came from a web page ({shown}) that is "
@@ -178,7 +182,7 @@ def cross_site_error(method: str, path: str, src: Source, origin: str | None) ->
             "clients that are not browsers; server.cors_origins does not extend to them.",
             code="cross_site_request",
         )
-    if src is Source.CONFIGURED or method in SAFE_METHODS:
+    if src is Source.CONFIGURED or read:
         return None
     return Forbidden(
         f"Cross-site request refused: {method} {path} came from a web page ({shown}) that "
@@ -211,7 +215,8 @@ def check(request: web.Request, configured: frozenset[str]) -> None:
     headers: Mapping[str, str] = request.headers
     origin = headers.get("Origin")
     src = source(origin, headers.get("Sec-Fetch-Site"), headers.get("Host"), configured)
-    error: EngramError | None = cross_site_error(request.method, request.path, src, origin)
+    upgrade = "Upgrade" in headers
+    error: EngramError | None = cross_site_error(request.method, request.path, src, origin, upgrade)
     if error is None:
         error = media_type_error(
             request.method, request.path, headers.get("Content-Type"), request.body_exists

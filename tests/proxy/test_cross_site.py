@@ -150,6 +150,10 @@ async def test_a_page_elsewhere_cannot_reach_the_upstream(
             headers={**headers, "Access-Control-Request-Method": "POST"},
         ) as r:
             await error_of(r, 403, "cross_site_request")
+        websocket = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13"}
+        websocket["Sec-WebSocket-Key"] = "dGhlIHNhbXBsZSBub25jZQ=="
+        async with http.get(quiet.url + "/v1/realtime", headers={**headers, **websocket}) as r:
+            await error_of(r, 403, "cross_site_request")
         assert len(fake.requests) == before
 
 

@@ -162,6 +162,13 @@ def test_a_foreign_page_may_read_what_the_browser_hides_from_it_anyway(method: s
     assert cross_site_error(method, "/engram/api/export", Source.FOREIGN, None) is not None
 
 
+def test_a_foreign_page_opens_no_websocket() -> None:
+    for path in ("/v1/realtime", "/engram/health"):
+        assert cross_site_error("GET", path, Source.FOREIGN, "http://x", upgrade=True)
+    assert cross_site_error("GET", "/v1/realtime", Source.CONFIGURED, "http://x", True) is None
+    assert cross_site_error("GET", "/v1/realtime", Source.OWN, None, upgrade=True) is None
+
+
 @pytest.mark.parametrize("method", WRITES)
 def test_a_configured_origin_writes_to_proxied_routes_only(method: str) -> None:
     for path in ("/v1/chat/completions", "/v1/audio/transcriptions"):
