@@ -7,7 +7,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 E2E_STAMP := $(VENV)/.installed-e2e
 ARGS ?=
 
-.PHONY: run install dev e2e-deps test lint format typecheck bench config clean
+.PHONY: run install dev e2e-deps browser-deps test lint format typecheck bench config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,8 +45,19 @@ run: $(STAMP) $(MODEL_STAMP)
 e2e-deps: $(E2E_STAMP)
 	$(BIN)/python -m proxy.bundled build
 
+## Headless Chromium for the browser test (tests/proxy/test_browser.py), from Debian's packages;
+## nothing to do when one is on PATH. Without root apt-get the test skips (fails under CI=true).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends chromium; \
+	else \
+		echo "note: no Chromium, and no root apt-get to install it: the browser test will skip"; \
+	fi
+
 ## Run the whole test suite
-test: e2e-deps
+test: e2e-deps browser-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(DEV_STAMP)

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from proxy import guard
 from proxy.api.routes import add_routes as add_admin_routes
 from proxy.api.status import health, metrics
 from proxy.auth import PRINCIPAL
@@ -50,7 +51,9 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
         middlewares=[_middleware(settings)],
     )
     if settings.server.cors_origins:
-        app.on_response_prepare.append(_cors_headers(set(settings.server.cors_origins)))
+        app.on_response_prepare.append(
+            guard.cors_hook(guard.normalise_origins(settings.server.cors_origins))
+        )
 
     async def running(app: web.Application) -> AsyncIterator[None]:
         async with open_services(settings, upstream_info) as services:
@@ -72,11 +75,12 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
 
 
 def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The one middleware: the Host allow-list (DNS-rebinding protection), CORS preflight,
-    every failure turned into OpenAI's error shape, and the access log line."""
+    """The one middleware: the Host allow-list (DNS-rebinding protection), no cross-site
+    writes and JSON-only bodies (:mod:`proxy.guard`), CORS preflight, every failure turned into
+    OpenAI's error shape, and the access log line."""
     server = settings.server
     allowed = _allowed_hosts(settings)
-    origins = set(server.cors_origins)
+    origins = guard.normalise_origins(server.cors_origins)
     too_large = PayloadTooLarge(
         f"Request body too large: Engram accepts at most {server.max_body_bytes} bytes "
         "(setting server.max_body_bytes)."
@@ -88,12 +92,8 @@ def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamRespons
         status = 500
         try:
             check_host(request.headers.get("Host"), allowed)
-            if (
-                origins
-                and request.method == "OPTIONS"
-                and "Access-Control-Request-Method" in request.headers
-                and _cors_origin(request, origins)
-            ):
+            guard.check(request, origins)
+            if guard.preflight_origin(request, origins):
                 resp: web.StreamResponse = web.Response(status=204)
             else:
                 await _authenticate(request)
@@ -180,33 +180,6 @@ def _is_ip_literal(name: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _cors_origin(request: web.Request, origins: set[str]) -> str | None:
-    origin = request.headers.get("Origin")
-    if origin is not None and ("*" in origins or origin in origins):
-        return origin
-    return None
-
-
-def _cors_headers(
-    origins: set[str],
-) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """Adds CORS headers as any response (streamed ones included) is about to be sent."""
-
-    async def on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
-        origin = _cors_origin(request, origins)
-        if origin is None:
-            return
-        resp.headers["Access-Control-Allow-Origin"] = origin
-        resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
-            "Access-Control-Request-Headers", "*"
-        )
-        resp.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
-        resp.headers["Access-Control-Expose-Headers"] = "*"
-        resp.headers["Vary"] = "Origin"
-
-    return on_prepare
 
 
 def _hostname(host: str) -> str:

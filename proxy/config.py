@@ -59,7 +59,13 @@ class ServerSettings:
         "(DNS-rebinding protection).",
     )
     cors_origins: list[str] = opt(
-        [], 'Origins that get CORS headers; empty means no CORS headers at all. "*" allows any.'
+        [],
+        "Web origins (scheme://host[:port], e.g. http://localhost:3000) trusted to call the "
+        "chat and pass-through routes from a browser: they get CORS headers, and no other web "
+        "page may send Engram anything but GET. Never applies to /engram/. Empty: only "
+        'Engram\'s own origin and non-browser clients. "*" (any page) is refused while '
+        "memory.enabled is true.",
+        pattern=r"\*|null|[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+",
     )
     max_body_bytes: int = opt(
         64 * 1024 * 1024, "Largest request body accepted; larger ones get a 413.", min=1024
@@ -444,6 +450,25 @@ class Settings:
     consolidation: ConsolidationSettings = field(default_factory=ConsolidationSettings)
     slots: SlotsSettings = field(default_factory=SlotsSettings)
 
+    def __post_init__(self) -> None:
+        problem = _cross_check(self)
+        if problem:
+            raise ConfigError(problem)
+
+
+def _cross_check(settings: Settings) -> str | None:
+    """A combination of settings that is refused although each value is valid alone."""
+    open_to_all = [o for o in settings.server.cors_origins if o.strip().lower() in ("*", "null")]
+    if open_to_all and settings.memory.enabled:
+        why = " (any site sends it from a sandboxed frame)" if open_to_all[0] != "*" else ""
+        return (
+            f"config: server.cors_origins contains {open_to_all[0]!r}{why} while "
+            "memory.enabled is true: every web page you visit could then write into your "
+            "memory and read your model's answers. List your web apps' origins instead "
+            '(e.g. ["http://localhost:3000"]), or set memory.enabled = false for a pure proxy.'
+        )
+    return None
+
 
 # --- introspection -----------------------------------------------------------------------------
 
@@ -463,7 +488,8 @@ def _describe(tp: Any, meta: Mapping[str, Any]) -> str:
     if meta.get("choices"):
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     if meta.get("pattern"):
-        return f"a string matching {meta['pattern']}"
+        each = "a list of strings, each" if typing.get_origin(tp) is list else "a string"
+        return f"{each} matching {meta['pattern']}"
     lo, hi = meta.get("min"), meta.get("max")
     name = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, "a list of strings"
@@ -541,12 +567,16 @@ def _coerce(
     if choices and value not in choices:
         raise bad()
     pattern = meta.get("pattern")
-    if pattern and not re.fullmatch(pattern, value):
+    if pattern and not all(re.fullmatch(pattern, v) for v in _strings(value)):
         raise bad()
     lo, hi = meta.get("min"), meta.get("max")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise bad()
     return value
+
+
+def _strings(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 _BOOLS = {

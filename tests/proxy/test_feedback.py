@@ -32,9 +32,8 @@ async def feedback(
     http: aiohttp.ClientSession, engram: Engram, body: Any, user: str = "u"
 ) -> tuple[int, dict[str, Any]]:
     kwargs: dict[str, Any] = {"data": body} if isinstance(body, str | bytes) else {"json": body}
-    async with http.post(
-        engram.url + "/engram/api/feedback", headers={"X-Engram-User": user}, **kwargs
-    ) as r:
+    headers = {"X-Engram-User": user, "Content-Type": "application/json"}
+    async with http.post(engram.url + "/engram/api/feedback", headers=headers, **kwargs) as r:
         return r.status, await r.json()
 
 

@@ -372,7 +372,9 @@ async def test_body_over_limit_is_413(fake: FakeUpstream, http: aiohttp.ClientSe
     engram = await start_engram(fake.url, server={"max_body_bytes": 4096})
     try:
         for path in ("/v1/chat/completions", "/v1/embeddings"):
-            async with http.post(engram.url + path, data=b"x" * 5000) as r:
+            async with http.post(
+                engram.url + path, data=b"x" * 5000, headers={"Content-Type": "application/json"}
+            ) as r:
                 assert r.status == 413
                 err = (await r.json())["error"]
                 assert "4096" in err["message"] and err["code"] == "request_too_large"

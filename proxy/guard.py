@@ -1,0 +1,257 @@
+"""No cross-site writes: which requests a web page on another origin may make, and JSON-only bodies.
+
+A browser lets any page send "simple" requests anywhere (``text/plain``, form or multipart bodies,
+no preflight), and a page on ``http://127.0.0.1:9999`` reaching Engram on ``127.0.0.1:8787`` even
+passes the Host check. So, before any handler runs (:func:`check`):
+
+- **Origin.** A request is *foreign* when the browser says so: ``Sec-Fetch-Site`` other than
+  ``same-origin`` or ``none`` (``same-site`` too: another port on the same host is same-site), or,
+  from browsers that do not send that header, an ``Origin`` that is not Engram's own (``null``,
+  from sandboxed frames and ``file://`` pages, included). Clients that are not browsers (curl, the
+  SDKs) send neither header and are not affected. A foreign request is refused (403) unless its
+  origin is listed in ``server.cors_origins`` — for every method but GET and HEAD (and those too
+  when they ask for a WebSocket), on every route: chat, the admin API and pass-through alike.
+- **Engram's own routes** (``/engram/...``) answer only their own origin: the admin API
+  (``/engram/api``) to no other origin with any method, configured or not, and the rest (health,
+  metrics, the inspector page) to GET and HEAD only. They never carry CORS headers.
+- **JSON only.** A body sent to a chat route or to the admin API must be
+  ``application/json`` (or ``application/*+json``): a page cannot send that without a CORS
+  preflight, which only configured origins pass. Anything else is a 415. Pass-through routes keep
+  accepting any body (multipart audio uploads) from non-browser clients and their own origin.
+- **CORS.** Preflights are answered, and CORS headers added, only for configured origins and only
+  on the routes passed to the upstream or the chat pipeline; an upstream's own CORS headers never
+  reach another origin.
+
+The decisions are pure functions of the method, the path and a few header values; :func:`check`
+and :func:`cors_hook` are the thin aiohttp edges.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from urllib.parse import urlsplit
+
+from aiohttp import web
+
+from proxy.errors import EngramError, Forbidden
+
+# The chat APIs of the request path (DESIGN.md): JSON APIs, whose bodies Engram may archive.
+CHAT_PATHS = frozenset(
+    {"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses", "/api/chat"}
+)
+ADMIN_PREFIX = "/engram/api"
+ENGRAM_PREFIX = "/engram"
+SAFE_METHODS = frozenset({"GET", "HEAD"})
+# Sec-Fetch-Site values that mean "not another web page": the page's own origin, or the user
+# typing the address / opening a bookmark.
+_OWN_FETCH_SITES = frozenset({"same-origin", "none"})
+_JSON = re.compile(r"application/(?:[a-z0-9!#$&^_.+-]+\+)?json")
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+class UnsupportedMediaType(EngramError):
+    """415: a body that is not JSON sent to a route that takes JSON only."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class Source(enum.Enum):
+    """Where a request comes from, as far as the browser tells."""
+
+    OWN = "own"  # Engram's own origin, or not a browser at all
+    CONFIGURED = "configured"  # a foreign origin listed in server.cors_origins
+    FOREIGN = "foreign"  # any other web page
+
+
+# --- pure decisions -----------------------------------------------------------------------------
+
+
+def is_admin_path(path: str) -> bool:
+    return path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+
+
+def is_engram_path(path: str) -> bool:
+    return path == ENGRAM_PREFIX or path.startswith(ENGRAM_PREFIX + "/")
+
+
+def is_json_media_type(content_type: str) -> bool:
+    """``application/json`` or ``application/<anything>+json``, parameters ignored."""
+    return _JSON.fullmatch(content_type.split(";", 1)[0].strip().lower()) is not None
+
+
+def json_only(method: str, path: str) -> bool:
+    """Whether a body sent with this method to this path must be JSON."""
+    return (
+        method not in SAFE_METHODS
+        and method != "OPTIONS"
+        and (path in CHAT_PATHS or is_admin_path(path))
+    )
+
+
+def media_type_error(
+    method: str, path: str, content_type: str | None, has_body: bool
+) -> UnsupportedMediaType | None:
+    """The 415 for a non-JSON body on a JSON-only route; None when the request may go on.
+    A request without a body may say anything or nothing about it (``POST
+    /engram/api/consolidate``; some clients label an empty body ``application/octet-stream``)."""
+    if not has_body or not json_only(method, path):
+        return None
+    if content_type is None or not content_type.strip():
+        shown = "none"
+    elif is_json_media_type(content_type):
+        return None
+    else:
+        shown = repr(content_type)
+    return UnsupportedMediaType(
+        f"Unsupported Content-Type ({shown}) on {method} {path}: Engram's chat and admin routes "
+        "take JSON bodies only. Send 'Content-Type: application/json' "
+        "(with curl: -H 'Content-Type: application/json').",
+        param="Content-Type",
+    )
+
+
+def _origin_parts(origin: str) -> tuple[str, int | None] | None:
+    """(host, port) of a serialised origin, the scheme's default port filled in."""
+    try:
+        parts = urlsplit(origin)
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.scheme or not parts.hostname:
+        return None
+    return parts.hostname, port if port is not None else _DEFAULT_PORTS.get(parts.scheme)
+
+
+def _host_parts(host: str) -> tuple[str, int | None] | None:
+    """(host, port or None) of a Host header value."""
+    try:
+        parts = urlsplit("//" + host.strip())
+        return (parts.hostname, parts.port) if parts.hostname else None
+    except ValueError:
+        return None
+
+
+def is_own_origin(origin: str, host: str | None) -> bool:
+    """Whether ``origin`` is the origin the request was addressed to (its Host header). A Host
+    without a port matches the origin scheme's default port."""
+    own = _host_parts(host) if host else None
+    theirs = _origin_parts(origin)
+    if own is None or theirs is None or own[0] != theirs[0]:
+        return False
+    return (own[1] is None and theirs[1] in (80, 443)) or own[1] == theirs[1]
+
+
+def source(
+    origin: str | None, fetch_site: str | None, host: str | None, configured: Collection[str]
+) -> Source:
+    """Classify a request by its ``Origin``, ``Sec-Fetch-Site`` and ``Host`` headers. The
+    browser's own ``Sec-Fetch-Site`` is believed first; ``Origin`` is compared with the Host
+    header only where it is missing (older browsers)."""
+    site = fetch_site.strip().lower() if fetch_site is not None else None
+    if site in _OWN_FETCH_SITES:
+        return Source.OWN
+    if origin is not None:
+        origin = origin.strip().lower()
+        if site is None and is_own_origin(origin, host):
+            return Source.OWN
+        if origin in configured or "*" in configured:
+            return Source.CONFIGURED
+        return Source.FOREIGN
+    return Source.OWN if site is None else Source.FOREIGN
+
+
+def cross_site_error(
+    method: str, path: str, src: Source, origin: str | None, upgrade: bool = False
+) -> Forbidden | None:
+    """The 403 for a request another web page may not make; None when it may go on.
+    ``upgrade``: the request asks to switch protocols (a WebSocket, which CORS never guards)."""
+    if src is Source.OWN:
+        return None
+    shown = origin if origin is not None else "another site"
+    read = method in SAFE_METHODS and not upgrade
+    if is_engram_path(path):
+        if read and not is_admin_path(path):
+            return None
+        return Forbidden(
+            f"Cross-site request refused: {method} {path} came from a web page ({shown}) that is "
+            "not Engram's own. Engram's routes under /engram/ answer only their own origin and "
+            "clients that are not browsers; server.cors_origins does not extend to them.",
+            code="cross_site_request",
+        )
+    if src is Source.CONFIGURED or read:
+        return None
+    return Forbidden(
+        f"Cross-site request refused: {method} {path} came from a web page ({shown}) that "
+        "Engram does not trust, so it may not write to your memory or your model server. To let "
+        "a web app on another origin use Engram, add its origin to server.cors_origins.",
+        code="cross_site_request",
+    )
+
+
+def cors_origin(path: str, origin: str | None, configured: Collection[str]) -> str | None:
+    """The origin to grant CORS to: a configured one, never on Engram's own routes."""
+    if origin is None or not configured or is_engram_path(path):
+        return None
+    low = origin.strip().lower()
+    if low in configured or "*" in configured:
+        return origin
+    return None
+
+
+def normalise_origins(origins: Collection[str]) -> frozenset[str]:
+    """Configured origins as compared: lower case (browsers send them so)."""
+    return frozenset(o.strip().lower() for o in origins)
+
+
+# --- aiohttp edges ------------------------------------------------------------------------------
+
+
+def check(request: web.Request, configured: frozenset[str]) -> None:
+    """Raise the 403 or 415 this request gets, if any (called by the one middleware)."""
+    headers: Mapping[str, str] = request.headers
+    origin = headers.get("Origin")
+    src = source(origin, headers.get("Sec-Fetch-Site"), headers.get("Host"), configured)
+    upgrade = "Upgrade" in headers
+    error: EngramError | None = cross_site_error(request.method, request.path, src, origin, upgrade)
+    if error is None:
+        error = media_type_error(
+            request.method, request.path, headers.get("Content-Type"), request.body_exists
+        )
+    if error is not None:
+        raise error
+
+
+def preflight_origin(request: web.Request, configured: frozenset[str]) -> str | None:
+    """The configured origin of a CORS preflight Engram answers itself, else None."""
+    if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
+        return None
+    return cors_origin(request.path, request.headers.get("Origin"), configured)
+
+
+def cors_hook(
+    configured: frozenset[str],
+) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """An ``on_response_prepare`` hook: CORS headers for configured origins on the proxied
+    routes, and no ``Access-Control-*`` header (the upstream's included) on any other response."""
+
+    async def on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
+        origin = cors_origin(request.path, request.headers.get("Origin"), configured)
+        if origin is None:
+            for name in [k for k in resp.headers if k.lower().startswith("access-control-")]:
+                resp.headers.popall(name, None)
+            return
+        resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Access-Control-Allow-Headers"] = request.headers.get(
+            "Access-Control-Request-Headers", "*"
+        )
+        resp.headers["Access-Control-Allow-Methods"] = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+        resp.headers["Access-Control-Expose-Headers"] = "*"
+        vary = resp.headers.get("Vary", "")
+        if "origin" not in vary.lower():
+            resp.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
+
+    return on_prepare
