@@ -17,11 +17,13 @@ Why no stored text can break out:
   :func:`clean_text` has folded Unicode look-alikes (NFKC), removed control, format (zero-width,
   bidi override), surrogate and private-use characters and collapsed every kind of whitespace and
   line break (CR, LF, VT, FF, NEL, U+2028, U+2029…) into single spaces;
-- no ``<`` or ``>`` survives in it: both are written as JSON escapes (``\\u003c``, ``\\u003e``),
-  so no tag (the block's own close marker included) and no chat-template token (ChatML
-  ``<|im_start|>``, Llama 3 ``<|eot_id|>``, Llama 2 ``<<SYS>>``, Gemma ``<start_of_turn>``,
-  Phi ``<|end|>``…) appears verbatim, and the bracket tokens of Mistral's templates
-  (``[INST]``, ``[/INST]``, ``[SYSTEM_PROMPT]``…) lose their ``[`` the same way; the JSON still
+- no ``<`` survives in it: it is written as the JSON escape ``\\u003c`` (look-alikes of it
+  first folded to it), so no tag (the block's own close marker included) and no chat-template
+  token (ChatML ``<|im_start|>``, Llama 3 ``<|eot_id|>``, Llama 2 ``<<SYS>>``, Gemma
+  ``<start_of_turn>``, Phi ``<|end|>``, DeepSeek's fullwidth-bar tokens…) appears verbatim;
+  every one of them starts with ``<``, except the bracket tokens of Mistral's templates
+  (``[INST]``, ``[/INST]``, ``[SYSTEM_PROMPT]``…), whose ``[`` is escaped the same way. ``>``
+  stays as it is (it can start neither; code reads better and costs fewer tokens). The JSON
   reads back to the cleaned text exactly (:func:`parse_block`);
 - the speaker is not free text: :func:`speaker_label` keeps letters, digits, marks, spaces and a
   few harmless signs of a stored name, at most :data:`SPEAKER_CHARS` of them, so no ``:`` or quote
@@ -38,8 +40,10 @@ Why no stored text can break out:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
+import itertools
 import json
 import re
 import time
@@ -63,27 +67,10 @@ TAG_CHARS = 8
 SPEAKER_CHARS = 40
 MAX_TEXT_CHARS = 1200
 
-# Look-alikes of the angle brackets that NFKC leaves alone: escaped like the real ones.
-_ANGLE_ALIKES = str.maketrans(
-    {
-        "\u02c2": "<",  # modifier letter left arrowhead
-        "\u02c3": ">",
-        "\u2039": "<",  # single angle quotation marks
-        "\u203a": ">",
-        "\u2329": "<",  # angle brackets (2329/232A fold to 3008/3009 under NFKC)
-        "\u232a": ">",
-        "\u27e8": "<",  # mathematical angle brackets
-        "\u27e9": ">",
-        "\u3008": "<",  # CJK angle brackets
-        "\u3009": ">",
-        "\u1438": "<",  # Canadian syllabics pa / po
-        "\u1433": ">",
-        "\u276e": "<",  # heavy angle quotation ornaments
-        "\u276f": ">",
-    }
-)
-_ASCII_CONTROLS = {c: " " if chr(c).isspace() else None for c in [*range(32), 127]}
-_DROPPED = frozenset({"Cc", "Cf", "Cs", "Co"})  # controls, format (zero-width, bidi), surrogates
+# Look-alikes of "<" that NFKC leaves alone, escaped like the real one: modifier letter left
+# arrowhead, single left angle quotation mark, left angle bracket (NFKC: U+3008), mathematical
+# and CJK left angle brackets, Canadian syllabics pa, heavy left angle quotation ornament.
+_LT_ALIKES = re.compile("[\u02c2\u2039\u2329\u27e8\u3008\u1438\u276e]")
 _SPEAKER_SIGNS = frozenset(" _.,'&@#+/-")
 # The opening bracket of a Mistral-style control token: "[INST]", "[/INST]", "[TOOL_CALLS]"…
 _BRACKET_TOKEN = re.compile(r"\[(?=/?[A-Z][A-Z0-9_]*\])")
@@ -108,30 +95,51 @@ class Recalled:
 def clean_text(text: str) -> str:
     """``text`` as the block shows it: look-alikes folded (NFKC), control, format, surrogate and
     private-use characters removed, all whitespace (every line break included) collapsed."""
-    if text.isascii():  # the common case: nothing to fold
-        return " ".join(text.translate(_ASCII_CONTROLS).split())
-    text = unicodedata.normalize("NFKC", text.translate(_ANGLE_ALIKES)).translate(_ANGLE_ALIKES)
-    kept = (
-        " " if ch.isspace() else "" if unicodedata.category(ch) in _DROPPED else ch for ch in text
-    )
-    return " ".join("".join(kept).split())
+    if not text.isascii():
+        text = _visible(_LT_ALIKES.sub("<", text))
+        text = _LT_ALIKES.sub("<", unicodedata.normalize("NFKC", text))
+    return _visible(text)
+
+
+def _visible(text: str) -> str:
+    """``text`` with its whitespace collapsed and its invisible characters removed."""
+    text = " ".join(text.split())
+    if text.isprintable():  # the common case, checked in C: nothing to remove
+        return text
+    return " ".join(_invisible().sub("", text).split())
+
+
+@functools.cache
+def _invisible() -> re.Pattern[str]:
+    """Characters of the categories Cc, Cf, Cs and Co: the controls, surrogates and private-use
+    areas are fixed ranges; the format characters (zero-width, bidi, tags…) are read from the
+    Unicode database in use, on first need (planes 0-3 and 14 hold them: about 50 ms)."""
+    planes = itertools.chain(range(0x40000), range(0xE0000, 0xE1000))
+    spans: list[list[int]] = [[0, 0x1F], [0x7F, 0x9F], [0xD800, 0xF8FF], [0xF0000, 0x10FFFF]]
+    for c in planes:
+        if unicodedata.category(chr(c)) == "Cf":
+            if spans[-1][1] == c - 1:
+                spans[-1][1] = c
+            else:
+                spans.append([c, c])
+    ranges = "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in spans)
+    return re.compile(f"[{ranges}]")
 
 
 def quote(text: str) -> str:
-    """``text`` as a one-line JSON string in which no ``<``, ``>`` or bracket token appears."""
+    """``text`` as a one-line JSON string in which no ``<`` and no bracket token appears."""
     out = json.dumps(text, ensure_ascii=False)
     for ch in "\u2028\u2029\u0085":  # (clean_text removed them: kept out of the line anyway)
         out = out.replace(ch, f"\\u{ord(ch):04x}")
-    out = out.replace("<", "\\u003c").replace(">", "\\u003e")
-    return _BRACKET_TOKEN.sub(r"\\u005b", out)
+    return _BRACKET_TOKEN.sub(r"\\u005b", out.replace("<", "\\u003c"))
 
 
 def inert_text(text: str) -> str:
     """Multi-line text Engram wrote from stored text (the rolling summary) made inert the same
     way, for a place that is not JSON: each line cleaned (:func:`clean_text`), empty lines
-    dropped, ``<``, ``>`` and the ``[`` of bracket tokens written as HTML entities."""
+    dropped, ``<`` and the ``[`` of bracket tokens written as HTML entities."""
     lines = (clean_text(line) for line in text.splitlines())  # every kind of line break
-    out = "\n".join(line for line in lines if line).replace("<", "&lt;").replace(">", "&gt;")
+    out = "\n".join(line for line in lines if line).replace("<", "&lt;")
     return _BRACKET_TOKEN.sub("&#91;", out)
 
 
