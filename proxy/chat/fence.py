@@ -134,13 +134,18 @@ def quote(text: str) -> str:
     return _BRACKET_TOKEN.sub(r"\\u005b", out.replace("<", "\\u003c"))
 
 
+def inert_line(text: str) -> str:
+    """Stored text made inert for a place that is not JSON (a transcript or excerpt in Engram's
+    own prompts to the model): cleaned to one line (:func:`clean_text`), ``<`` and the ``[`` of
+    bracket tokens written as HTML entities, so no tag or chat-template token survives."""
+    return _BRACKET_TOKEN.sub("&#91;", clean_text(text).replace("<", "&lt;"))
+
+
 def inert_text(text: str) -> str:
-    """Multi-line text Engram wrote from stored text (the rolling summary) made inert the same
-    way, for a place that is not JSON: each line cleaned (:func:`clean_text`), empty lines
-    dropped, ``<`` and the ``[`` of bracket tokens written as HTML entities."""
-    lines = (clean_text(line) for line in text.splitlines())  # every kind of line break
-    out = "\n".join(line for line in lines if line).replace("<", "&lt;")
-    return _BRACKET_TOKEN.sub("&#91;", out)
+    """Multi-line text Engram wrote from stored text (the rolling summary) made inert line by
+    line (:func:`inert_line`), empty lines dropped."""
+    lines = (inert_line(line) for line in text.splitlines())  # every kind of line break
+    return "\n".join(line for line in lines if line)
 
 
 def clean_name(name: str, limit: int = SPEAKER_CHARS) -> str:

@@ -10,6 +10,8 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.background.facts import consolidation_messages, render_excerpts
+from proxy.background.summarizer import render_turns
 from proxy.chat.fence import (
     BLOCK_CLOSE,
     BLOCK_OPEN,
@@ -17,6 +19,7 @@ from proxy.chat.fence import (
     PREAMBLE,
     Recalled,
     block_tag,
+    clean_name,
     clean_text,
     inert_text,
     markers,
@@ -25,6 +28,7 @@ from proxy.chat.fence import (
     speaker_label,
 )
 from proxy.chat.prompt import SUMMARY_CLOSE, summary_text
+from proxy.store.models import Turn
 from proxy.tokens import estimate as approx_tokens
 from testing.injection import CHAT_TOKENS, CORPUS, ROLE_HEADER, fence_violations
 
@@ -187,3 +191,24 @@ def test_summary_is_made_inert_but_keeps_its_lines() -> None:
 def test_preamble_is_one_line_and_says_derived() -> None:
     assert "\n" not in PREAMBLE and "derived" in PREAMBLE and "JSON" in PREAMBLE
     assert json.dumps(PREAMBLE)  # plain text
+
+
+def test_engram_s_own_prompts_show_stored_text_inert() -> None:
+    """The summariser's, hand-back's and consolidation's transcripts hold stored text too: a
+    chat-template token there would open a real turn in the prompt Engram itself sends."""
+    turns = [
+        Turn(i, "s", "u", i, role, speaker, entry, None, None, 1.7e9, None, "h", False)
+        for i, entry in enumerate(CORPUS)
+        for role, speaker in (("user", entry[:60]), ("tool", None))
+    ]
+    transcript = render_turns(turns, 10**7)
+    excerpts = render_excerpts(turns, 10**7)
+    asked = consolidation_messages(CORPUS[20], excerpts, CORPUS[:10], 8)[1]["content"]
+    for text in (transcript, excerpts, asked):
+        assert not [t for t in CHAT_TOKENS if t in text]
+        assert "<" not in text
+    # One line per turn, each starting with its real speaker or role: nothing forged a line.
+    who = [clean_name(t.speaker or "") or t.role for t in turns]
+    assert [ln.split(": ", 1)[0] for ln in transcript.split("\n")] == who
+    assert [ln.split("] ", 1)[1].split(": ", 1)[0] for ln in excerpts.split("\n")] == who
+    assert transcript.splitlines() == transcript.split("\n")
