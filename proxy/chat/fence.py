@@ -36,6 +36,9 @@ Why no stored text can break out:
   keeps llama.cpp's prompt cache where it is byte-identical from turn to turn (``prompt.mode``).
   The escaping alone already keeps every marker out of the lines; :func:`memory_block` checks
   anyway and derives another tag if one ever matched.
+
+The same cleaning serves the rolling summary (:func:`inert_text`) and Engram's own prompts to
+the model, whose transcripts and excerpts hold stored text too (:func:`inert_line`).
 """
 
 from __future__ import annotations
@@ -72,6 +75,10 @@ MAX_TEXT_CHARS = 1200
 # and CJK left angle brackets, Canadian syllabics pa, heavy left angle quotation ornament.
 _LT_ALIKES = re.compile("[\u02c2\u2039\u2329\u27e8\u3008\u1438\u276e]")
 _SPEAKER_SIGNS = frozenset(" _.,'&@#+/-")
+# Letters that look like a colon (modifier letters, so a name could keep them): dropped too.
+_COLON_ALIKES = re.compile("[\u02d0\u02d1\ua789]")
+# Names that would pass a turn off as another role's: shown after the turn's real role.
+_ROLE_WORDS = frozenset({"user", "assistant", "system", "developer", "tool", "human", "model"})
 # The opening bracket of a Mistral-style control token: "[INST]", "[/INST]", "[TOOL_CALLS]"…
 _BRACKET_TOKEN = re.compile(r"\[(?=/?[A-Z][A-Z0-9_]*\])")
 _LINE = re.compile(
@@ -154,7 +161,7 @@ def clean_name(name: str, limit: int = SPEAKER_CHARS) -> str:
     becomes a space), at most ``limit`` characters."""
     kept = "".join(
         ch if ch in _SPEAKER_SIGNS or unicodedata.category(ch)[0] in "LNM" else " "
-        for ch in clean_text(name)
+        for ch in _COLON_ALIKES.sub(" ", clean_text(name))
     )
     return " ".join(kept.split())[:limit].strip()
 
@@ -175,6 +182,8 @@ def speaker_label(mem: Recalled) -> str:
     if mem.role in ("tool", "function"):
         return f"tool output ({name})" if name else "tool output"
     if mem.role in ("user", "assistant"):
+        if name.lower() in _ROLE_WORDS and name.lower() != mem.role:
+            return f"{mem.role} ({name})"  # a user named "assistant" or "System" is a user
         return name or mem.role
     return clean_name(mem.role) or "note"
 
