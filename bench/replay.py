@@ -65,7 +65,7 @@ from bench.common import (
     machine_lines,
     repair_evidence,
 )
-from proxy.chat.fence import BLOCK_OPEN
+from proxy.chat.fence import BLOCK_OPEN, clean_text, parse_block
 from proxy.chat.prompt import SUMMARY_OPEN
 from proxy.chat.rewrite import PROMPT_MARGIN, PROMPT_SAFETY
 from proxy.messages import content_text
@@ -172,8 +172,17 @@ def squash(text: str) -> str:
     return " ".join(text.split())
 
 
+def memory_texts(block: str) -> str:
+    """The memories' own texts in a memory block (each line holds its text as a JSON string)."""
+    try:
+        return "\n".join(m.text for m in parse_block(block.strip()))
+    except ValueError:
+        return block
+
+
 def segments(forwarded: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
-    """(zone, text) pieces of a forwarded prompt; memory and summary blocks split out."""
+    """(zone, text) pieces of a forwarded prompt; memory and summary blocks split out (of a
+    memory block, the memories' texts)."""
     out: list[tuple[str, str]] = []
     for i, msg in enumerate(forwarded):
         role = msg.get("role")
@@ -188,9 +197,9 @@ def segments(forwarded: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
                 head, sep, block = piece.partition(BLOCK_OPEN)
                 out.append(("primacy-system", head))
                 if sep:
-                    out.append(("primacy-memory", sep + block))
+                    out.append(("primacy-memory", memory_texts(sep + block)))
             elif piece.startswith(BLOCK_OPEN):
-                out.append(("recency-memory", piece))
+                out.append(("recency-memory", memory_texts(piece)))
             elif piece.startswith(SUMMARY_OPEN):
                 out.append(("recency-summary", piece))
             else:
@@ -200,9 +209,9 @@ def segments(forwarded: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
 
 def zone_of(message: str, segs: Sequence[tuple[str, str]]) -> str:
     """Where the chat message ``message`` (holding an evidence turn) sits in the prompt."""
-    needle = squash(message)
+    needles = {squash(message), clean_text(message)}  # (a memory shows its text cleaned)
     for zone in ("recency-window", "primacy-memory", "recency-memory", "recency-summary"):
-        if any(z == zone and needle in text for z, text in segs):
+        if any(z == zone and n in text for z, text in segs for n in needles):
             return zone
     return "absent"
 

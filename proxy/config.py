@@ -249,6 +249,13 @@ class RetrievalSettings:
         0.5, "MMR trade-off: 1 is pure relevance, 0 pure diversity.", min=0, max=1
     )
     stop_words: bool = opt(True, "Drop English stop words from the FTS5 query.")
+    recall_tool_outputs: bool = opt(
+        False,
+        "Recall stored tool outputs (role tool or function: web pages, files, command output) "
+        "into later requests. Off: nobody in the conversation wrote that text, so it is where "
+        "injected instructions most often hide. It stays archived (the admin API's search "
+        "finds it), and a request that carries it itself still forwards it.",
+    )
     fts_common_share: float = opt(
         0.3,
         "Once more than 20,000 turns are stored, leave out of the FTS5 query the words held by "

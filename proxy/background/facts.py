@@ -18,6 +18,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.chat.fence import clean_name, inert_line
 from proxy.search.fts_query import STOP_WORDS, tokens
 from proxy.store.models import Turn
 
@@ -101,11 +102,11 @@ def render_excerpts(turns: Sequence[Turn], max_chars: int) -> str:
     lines: list[str] = []
     used = 0
     for t in turns:
-        text = " ".join(t.content.split())
+        text = inert_line(t.content)  # stored text, made inert (invariant 10)
         if len(text) > EXCERPT_CHARS:
             text = text[: EXCERPT_CHARS - 1] + "…"
         when = time.strftime("%Y-%m-%d", time.gmtime(t.timestamp))
-        line = f"[#{t.id} {when}] {t.speaker or t.role}: {text}"
+        line = f"[#{t.id} {when}] {clean_name(t.speaker or '') or t.role}: {text}"
         if used + len(line) > max_chars:
             break
         lines.append(line)
@@ -116,13 +117,13 @@ def render_excerpts(turns: Sequence[Turn], max_chars: int) -> str:
 def consolidation_messages(
     query: str, excerpts: str, recalled: Sequence[str], max_facts: int
 ) -> list[dict[str, str]]:
-    notes = "\n".join(f"- {' '.join(r.split())[:300]}" for r in recalled) or "(nothing)"
+    notes = "\n".join(f"- {inert_line(r)[:300]}" for r in recalled) or "(nothing)"
     return [
         {"role": "system", "content": INSTRUCTIONS.replace("{max_facts}", str(max_facts))},
         {
             "role": "user",
             "content": REQUEST.format(
-                excerpts=excerpts, query=" ".join(query.split())[:1000], recalled=notes
+                excerpts=excerpts, query=inert_line(query)[:1000], recalled=notes
             ),
         },
     ]

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.chat.fence import clean_name, inert_line
 from proxy.config import Settings
 from proxy.logs import event
 from proxy.store.models import Turn
@@ -83,8 +84,8 @@ def render_turns(turns: Sequence[Turn], max_chars: int) -> str:
     lines: list[str] = []
     used = 0
     for t in turns:
-        who = t.speaker or t.role
-        text = " ".join(t.content.split())
+        who = clean_name(t.speaker or "") or t.role  # stored text, made inert (invariant 10)
+        text = inert_line(t.content)
         if t.role in ("tool", "function") and len(text) > TOOL_CHARS:
             text = f"{text[:TOOL_CHARS]} … [{len(text) - TOOL_CHARS} more characters of output]"
         if t.tool_calls:

@@ -15,7 +15,7 @@ user message; user/assistant alternation is kept where the original had it. The 
 recency zone as a user message when the window starts with an assistant turn, or as a leading
 text part of the window's first user message otherwise; memory in ``stable`` mode is a leading
 text part of the new user message. Both are clearly marked blocks, never mixed into the user's
-own text.
+own text. What either block holds is stored text made inert (:mod:`proxy.chat.fence`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from proxy.chat.fence import inert_text
 
 Message = dict[str, Any]
 
@@ -98,7 +100,10 @@ def with_leading_text(msg: Message, block: str) -> Message:
 
 
 def summary_text(summary: str) -> str:
-    return f"{SUMMARY_OPEN}\n{SUMMARY_PREAMBLE}\n{summary.strip()}\n{SUMMARY_CLOSE}"
+    """The rolling summary's block. The summary is written by the model from stored turns, so
+    it is made inert like the memory block (:func:`proxy.chat.fence.inert_text`): no tag or
+    chat-template token of a stored text survives in it."""
+    return f"{SUMMARY_OPEN}\n{SUMMARY_PREAMBLE}\n{inert_text(summary)}\n{SUMMARY_CLOSE}"
 
 
 def append_to_system(msg: Message, block: str) -> Message:

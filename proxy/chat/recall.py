@@ -5,7 +5,10 @@ The query (the last user message) is embedded as soon as the request is parsed
 vectors fused by RRF, :mod:`proxy.search.retrieval`) over the user's memory; a sub-agent searches
 its own session only (plus, optionally, its parent's summary), a conversation gets what its
 sub-agents handed back first. Turns whose text the prompt already holds are never recalled;
-``retrieval.neighbours`` brings each hit's neighbours in its conversation.
+``retrieval.neighbours`` brings each hit's neighbours in its conversation. Tool outputs are left
+out, inside the search so they take no places, unless ``retrieval.recall_tool_outputs``.
+What is recalled is rendered for the model by :mod:`proxy.chat.fence`, which marks hand-backs,
+summaries and facts as derived.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ log = logging.getLogger("engram.recall")
 # still recognised (redacting the whole of a 30 kB tool output on every request cost 35 ms).
 REDACT_MARGIN = 4096
 TEXT_CACHE = 50_000  # message texts whose hashes are remembered (clients resend the history)
+TOOL_OUTPUT_ROLES = ("tool", "function")
 
 
 def recalled(turn: Turn, score: float) -> Recalled:
@@ -74,9 +78,10 @@ class Recall:
             else []
         )
         present = self.texts([*head, *mt.messages[window_start:]])
+        skip_roles = () if s.recall_tool_outputs else TOOL_OUTPUT_ROLES
 
         def wanted(role: str, content: str) -> bool:
-            if role not in RECALLED_ROLES or not content.strip():
+            if role not in RECALLED_ROLES or role in skip_roles or not content.strip():
                 return False
             return text_hash(content[:EMBED_CHARS]) not in present
 
@@ -102,7 +107,7 @@ class Recall:
                     Recalled(
                         0,
                         "summary",
-                        "parent conversation (summary)",
+                        "parent conversation",
                         found.content,
                         found.updated_at,
                         parent_id,
@@ -132,6 +137,7 @@ class Recall:
                 s.top_k,
                 keep=keep,
                 session_ids=scope,
+                exclude_roles=skip_roles,
                 query_vector=mt.query_vector,
             )
         except Exception:  # memory degrades, the request goes on

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proxy.background.summarizer import Summarizer
 from proxy.cache import LRU
-from proxy.chat.fence import Recalled, memory_block
+from proxy.chat.fence import Recalled, block_tag, memory_block
 from proxy.chat.prompt import Assembly, Message, assemble
 from proxy.chat.recall import Recall
 from proxy.chat.turn import MemoryTurn
@@ -66,6 +67,7 @@ class Rewriter:
         self._raw_counts: LRU[str, int] = LRU(SIZE_CACHE)  # text hash -> tokens
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: LRU[str, tuple[float, Assembly]] = LRU(LAST_REQUESTS)
+        self.fence_secret = secrets.token_bytes(32)  # the memory block's tags (fence.block_tag)
 
     async def compose(self, mt: MemoryTurn, reply_tokens: int | None, recall: bool) -> None:
         """Recall memories for what the window does not hold, then assemble the prompt."""
@@ -228,7 +230,9 @@ class Rewriter:
         count_text: Callable[[str], int],
     ) -> Assembly:
         s = self.settings
-        block, used = memory_block(memories, mt.memory_room, count_text)
+        scope = mt.placement.session.id if mt.placement is not None else mt.identity.user
+        tag = block_tag(self.fence_secret, scope)
+        block, used = memory_block(memories, mt.memory_room, count_text, tag)
         mt.injected = [m.id for m in used]
         return assemble(
             mt.view if mt.view is not None else mt.messages,

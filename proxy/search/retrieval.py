@@ -58,21 +58,23 @@ class Retriever:
         mode: str = "hybrid",
         session_ids: Sequence[str] | None = None,
         exclude_sessions: Sequence[str] = (),
+        exclude_roles: Sequence[str] = (),
         keep: Callable[[Turn], bool] | None = None,
         use_mmr: bool | None = None,
         query_vector: Awaitable[Vector] | None = None,
     ) -> list[Hit]:
-        """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` are left out
-        inside the searches (they take no candidate places); ``keep`` filters candidates
-        (e.g. turns already in the request) before the cut to ``k``. ``query_vector``: the
-        query's embedding, already on its way (see :meth:`embed_query`)."""
+        """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` and turns of
+        ``exclude_roles`` are left out inside the searches (they take no candidate places);
+        ``keep`` filters candidates (e.g. turns already in the request) before the cut to
+        ``k``. ``query_vector``: the query's embedding, already on its way (see
+        :meth:`embed_query`)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if k <= 0 or not query.strip():
             return []
         s = self.settings
         n = max(s.candidates, k)
-        skip = list(exclude_sessions)
+        skip, roles = list(exclude_sessions), list(exclude_roles)
         want_fts = mode in ("hybrid", "fts")
         want_vec = mode in ("hybrid", "vec") and self.embedder is not None
         words = (
@@ -84,7 +86,12 @@ class Retriever:
             if match is None:
                 return []
             rows = await self.store.fts_search(
-                user_id, match, n, session_ids=session_ids, exclude_sessions=skip
+                user_id,
+                match,
+                n,
+                session_ids=session_ids,
+                exclude_sessions=skip,
+                exclude_roles=roles,
             )
             return [turn_id for turn_id, _ in rows]
 
@@ -99,7 +106,12 @@ class Retriever:
             else:
                 qvec = (await self.embedder.embed_queries([query]))[0]
             rows = await self.store.vec_search(
-                user_id, qvec, n, session_ids=session_ids, exclude_sessions=skip
+                user_id,
+                qvec,
+                n,
+                session_ids=session_ids,
+                exclude_sessions=skip,
+                exclude_roles=roles,
             )
             return [turn_id for turn_id, _ in rows]
 

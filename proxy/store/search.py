@@ -52,6 +52,8 @@ VEC_MAX_K = 4096  # sqlite-vec's limit on k
 VEC_EXCLUDE_IN_KNN = 8
 """Excluded sessions filtered inside vec0's KNN (``session_id != ?`` each); sqlite-vec 0.1.9
 plans a KNN with at most 16 constraints."""
+VEC_ROLE_GROWTH = 4
+"""With roles to leave out, a KNN that found too few others asks for this many times more."""
 
 FTS_PROBE_FACTOR = 4
 FTS_PROBE_MIN = 200
@@ -77,12 +79,14 @@ def fts_search(
     exclude_sessions: Sequence[str] = (),
     weights: Sequence[float] = FTS_WEIGHTS,
     probe_first: bool = True,
+    exclude_roles: Sequence[str] = (),
 ) -> list[tuple[int, float]]:
     """(turn id, bm25) best first; bm25 is FTS5's (lower is better, usually negative).
 
     ``match`` must be a safe FTS5 expression (see :mod:`proxy.search.fts_query`). With
     ``session_ids=None`` the user's indexed sessions are searched, else exactly those sessions;
-    turns of ``exclude_sessions`` are left out either way. ``weights``: one per column.
+    turns of ``exclude_sessions``, and turns whose role is in ``exclude_roles``, are left out
+    either way. ``weights``: one per column.
 
     Plan: FTS5 scores every matching row of the whole index (all users) either way; joining
     each of them to ``turns`` and ``sessions`` for the scope costs as much again. So the best
@@ -97,7 +101,7 @@ def fts_search(
         raise ValueError(f"weights needs {len(FTS_WEIGHTS)} values (body, ctx, date)")
     w = [float(x) for x in weights]
     excluded = set(exclude_ids)
-    joins, where, scope_args = _fts_scope(user_id, session_ids, exclude_sessions)
+    joins, where, scope_args = _fts_scope(user_id, session_ids, exclude_sessions, exclude_roles)
     if probe_first:
         probe = max(FTS_PROBE_MIN, FTS_PROBE_FACTOR * (limit + len(excluded)))
         best = conn.execute(
@@ -174,7 +178,10 @@ def term_rows(conn: Connection, words: Sequence[str]) -> dict[str, int]:
 
 
 def _fts_scope(
-    user_id: str, session_ids: Sequence[str] | None, exclude_sessions: Sequence[str]
+    user_id: str,
+    session_ids: Sequence[str] | None,
+    exclude_sessions: Sequence[str],
+    exclude_roles: Sequence[str] = (),
 ) -> tuple[str, str, list[Any]]:
     """Joins, WHERE conditions (each starting with " AND") and arguments that confine turns
     ``t`` to the search scope."""
@@ -190,6 +197,9 @@ def _fts_scope(
     if exclude_sessions:
         where += " AND t.session_id NOT IN (SELECT value FROM json_each(?))"
         args.append(json_list(exclude_sessions))
+    if exclude_roles:
+        where += " AND t.role NOT IN (SELECT value FROM json_each(?))"
+        args.append(json_list(exclude_roles))
     return joins, where, args
 
 
@@ -203,12 +213,15 @@ def vec_search(
     exclude_ids: Iterable[int],
     quantized: bool,
     exclude_sessions: Sequence[str] = (),
+    exclude_roles: Sequence[str] = (),
 ) -> list[tuple[int, float]]:
     """(turn id, cosine distance) nearest first, within one user's partition.
 
     ``quantized``: rank by Hamming distance of the sign bits, then re-score
     ``QUANTIZED_OVERSAMPLE`` times as many candidates by exact cosine distance. Turns of
-    ``exclude_sessions`` are left out.
+    ``exclude_sessions`` are left out. Turns whose role is in ``exclude_roles`` are left out
+    too; ``turn_vec`` holds no role, so the KNN asks for ``VEC_ROLE_GROWTH`` times more rows
+    until ``limit`` others are found (or no more rows are).
     """
     if limit <= 0:
         return []
@@ -236,15 +249,17 @@ def vec_search(
     if after_knn:
         where += " AND session_id NOT IN (SELECT value FROM json_each(?))"
         extra.append(json_list(after_knn))
-    if not quantized:
-        rows = conn.execute(
-            "SELECT turn_id, distance FROM turn_vec WHERE embedding MATCH ? AND k = ?"
-            + where
-            + " ORDER BY distance",
-            [query, want, *extra],
-        ).fetchall()
-        hits = [(int(r[0]), float(r[1])) for r in rows]
-    else:
+
+    def knn(want: int) -> tuple[list[tuple[int, float]], bool]:
+        """The nearest rows, and whether the partition may hold more."""
+        if not quantized:
+            rows = conn.execute(
+                "SELECT turn_id, distance FROM turn_vec WHERE embedding MATCH ? AND k = ?"
+                + where
+                + " ORDER BY distance",
+                [query, want, *extra],
+            ).fetchall()
+            return [(int(r[0]), float(r[1])) for r in rows], len(rows) >= want
         k = min(VEC_MAX_K, max(QUANTIZED_MIN_K, want * QUANTIZED_OVERSAMPLE))
         candidates = [
             r[0]
@@ -254,8 +269,27 @@ def vec_search(
                 [query, k, *extra],
             )
         ]
-        hits = _rescore(conn, vec, candidates)
-    return [hit for hit in hits if hit[0] not in excluded][:limit]
+        return _rescore(conn, vec, candidates), len(candidates) >= k
+
+    while True:
+        found, more = knn(want)
+        hits = [hit for hit in found if hit[0] not in excluded]
+        if exclude_roles:
+            allowed = _without_roles(conn, [h[0] for h in hits], exclude_roles)
+            hits = [hit for hit in hits if hit[0] in allowed]
+        if len(hits) >= limit or not more or not exclude_roles or want >= VEC_MAX_K:
+            return hits[:limit]
+        want = min(VEC_MAX_K, want * VEC_ROLE_GROWTH)
+
+
+def _without_roles(conn: Connection, turn_ids: Sequence[int], roles: Sequence[str]) -> set[int]:
+    """Those of ``turn_ids`` whose role is not in ``roles``."""
+    rows = conn.execute(
+        "SELECT id FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+        " AND role NOT IN (SELECT value FROM json_each(?))",
+        (json_list(turn_ids), json_list(roles)),
+    )
+    return {int(r[0]) for r in rows}
 
 
 def _rescore(conn: Connection, vec: Vector, turn_ids: Sequence[int]) -> list[tuple[int, float]]:

@@ -34,10 +34,10 @@ Public surface (all ``async`` except the constructor)::
     session_turns(session_id, from_position=0, limit=None) -> list[Turn]
     get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
-               exclude_sessions=()) -> [(id, bm25)]
+               exclude_sessions=(), exclude_roles=()) -> [(id, bm25)]
     fts_word_shares(words, *, min_turns=0) -> {word: share of all turns holding it}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
-               exclude_sessions=(), mode=None) -> [(id, cosine distance)]
+               exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
     stats() -> StoreStats
     ensure_embedding_model(name) -> bool     False when turn_vec holds another model's vectors
@@ -45,7 +45,8 @@ Public surface (all ``async`` except the constructor)::
 Search scope: with ``session_ids=None`` a search covers the user's sessions whose ``indexed``
 flag is set (sub-agent sessions are created unindexed); with a list, exactly those sessions.
 ``exclude_sessions`` leaves sessions out (e.g. the conversation being answered) inside the SQL,
-so they take no candidate places. Everything is always confined to ``user_id``.
+so they take no candidate places; ``exclude_roles`` does the same for turns of those roles
+(recall leaves tool outputs out). Everything is always confined to ``user_id``.
 """
 
 from __future__ import annotations
@@ -184,10 +185,8 @@ class Store:
         return await asyncio.get_running_loop().run_in_executor(pool, job)
 
     async def write(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn(conn)`` on the writer thread inside one ``BEGIN IMMEDIATE`` transaction.
-
-        Once submitted it runs to completion even if the caller is cancelled.
-        """
+        """Run ``fn(conn)`` on the writer thread inside one ``BEGIN IMMEDIATE`` transaction;
+        once submitted it runs to completion even if the caller is cancelled."""
         writer = self._writer
         if writer is None:
             raise RuntimeError("store is not open")
@@ -275,10 +274,8 @@ class Store:
         turns: Sequence[NewTurn],
         vectors: Sequence[Vector | None] | None = None,
     ) -> list[int]:
-        """Archive ``turns`` (with a vector each, or None) in one transaction.
-
-        Positions the session already holds are skipped; returns the ids inserted.
-        """
+        """Archive ``turns`` (with a vector each, or None) in one transaction. Positions the
+        session already holds are skipped; returns the ids inserted."""
         now = time.time()
         turns = list(turns)
         vecs = list(vectors) if vectors is not None else None
@@ -330,11 +327,11 @@ class Store:
         session_ids: Sequence[str] | None = None,
         exclude_ids: Iterable[int] = (),
         exclude_sessions: Sequence[str] = (),
+        exclude_roles: Sequence[str] = (),
     ) -> list[tuple[int, float]]:
         """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.search.fts_query`."""
         sessions = list(session_ids) if session_ids is not None else None
-        excluded = list(exclude_ids)
-        skip = list(exclude_sessions)
+        excluded, skip, roles = list(exclude_ids), list(exclude_sessions), list(exclude_roles)
 
         def job(c: Connection) -> list[tuple[int, float]]:
             mine = self._user_turn_count(c, user_id)
@@ -348,6 +345,7 @@ class Store:
                 exclude_sessions=skip,
                 weights=self._fts_weights,
                 probe_first=mine >= search.FTS_PROBE_USER_SHARE * self._user_turn_count(c, None),
+                exclude_roles=roles,
             )
 
         return await self.read(job)
@@ -362,11 +360,11 @@ class Store:
         exclude_ids: Iterable[int] = (),
         exclude_sessions: Sequence[str] = (),
         mode: VecMode | None = None,
+        exclude_roles: Sequence[str] = (),
     ) -> list[tuple[int, float]]:
         """(turn id, cosine distance) nearest first, over the user's partition only."""
         sessions = list(session_ids) if session_ids is not None else None
-        excluded = list(exclude_ids)
-        skip = list(exclude_sessions)
+        excluded, skip, roles = list(exclude_ids), list(exclude_sessions), list(exclude_roles)
         mode = mode or self._vec_mode
 
         def job(c: Connection) -> list[tuple[int, float]]:
@@ -382,6 +380,7 @@ class Store:
                 exclude_ids=excluded,
                 quantized=quantized,
                 exclude_sessions=skip,
+                exclude_roles=roles,
             )
 
         return await self.read(job)

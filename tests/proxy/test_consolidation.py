@@ -134,8 +134,11 @@ async def test_facts_are_stored_deduplicated_and_found(
         }
         # A later request of another conversation is given the fact.
         await chat(http, e, "Does Ilse live in Tromso?", **{"X-Engram-Session": "later"})
-        sent = json.dumps(fake.chat_requests()[-1].json()["messages"])
-        assert "Ilse: the user's sister Ilse lives in Tromso (2023-03)" in sent
+        system = fake.chat_requests()[-1].json()["messages"][0]["content"]
+        assert (
+            'derived: fact about Ilse: "the user\'s sister Ilse lives in Tromso (2023-03)"'
+            in system
+        )
         # Flagged again with the same answer: nothing stored twice.
         await settle(e)
         before = await counts(e)
@@ -278,9 +281,10 @@ async def test_subagent_facts_stay_in_the_subagent(
         assert [(t.speaker, t.content) for t in facts] == [("vault", "the vault code is 4417")]
         # The parent never sees it; the sub-agent does.
         await chat(http, e, "what is the vault code 4417?", **{"X-Engram-Session": top})
-        assert "vault: the vault code" not in json.dumps(fake.chat_requests()[-1].json())
+        assert "fact about vault" not in json.dumps(fake.chat_requests()[-1].json())
         await chat(http, e, "the vault code again?", **kid)
-        assert "vault: the vault code is 4417" in json.dumps(fake.chat_requests()[-1].json())
+        system = fake.chat_requests()[-1].json()["messages"][0]["content"]
+        assert 'derived: fact about vault: "the vault code is 4417"' in system
     finally:
         await e.close()
 
