@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import __version__, logs
-from proxy.config import ConfigError, Settings, as_dict, load_settings, render_defaults
+from proxy.config import ConfigError, Settings, load_settings, render_defaults
 
 log = logging.getLogger("engram.cli")
 
@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import json
 
-            print(json.dumps(as_dict(settings), indent=2))
+            from proxy.masking import masked_settings
+
+            print(json.dumps(masked_settings(settings), indent=2))
         return 0
     return 2
