@@ -108,6 +108,31 @@ def setup(level: str = "info", fmt: str = "text") -> logging.handlers.QueueListe
     return listener
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record comes (tests swap it)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def setup_cli() -> None:
+    """For the commands other than ``serve``: warnings and errors of the 'engram' loggers go to
+    stderr as bare messages (as Python's last-resort handler would print them), redacted."""
+    root = logging.getLogger("engram")
+    if any(isinstance(f, RedactSecrets) for h in root.handlers for f in h.filters):
+        return
+    stream = _Stderr()
+    stream.setLevel(logging.WARNING)
+    stream.setFormatter(logging.Formatter("%(message)s"))
+    stream.addFilter(RedactSecrets())
+    root.addHandler(stream)
+
+
 def event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
     """Log ``msg`` with structured fields."""
     if logger.isEnabledFor(level):

@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in MEMORY_COMMANDS:
             from proxy.cli import commands  # imported late: it loads the store and the embedder
 
+            logs.setup_cli()
+
             return commands.run(args, settings)
     except ConfigError as exc:
         print(f"engram: {exc}", file=sys.stderr)
