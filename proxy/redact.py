@@ -185,7 +185,8 @@ def secret_kind(name: str) -> str | None:
     ):
         return "password"
     if any(w in ("secret", "secrets") or w.endswith("secret") for w in words):
-        return "aws-secret" if "aws" in words or "access" in words else "secret"
+        aws = "aws" in words or _follows(words, "secret", "access")  # SecretAccessKey
+        return "aws-secret" if aws else "secret"
     if any(w == "token" or (w.endswith("token") and len(w) > 5) for w in words):
         return "token"
     if any(w.endswith("apikey") for w in words) or _follows(words, "api", "key"):
@@ -270,8 +271,7 @@ def _assignment(m: re.Match[str]) -> str:
         return m.group(0)  # a call or an index: code, not a value
     name_start = start - len(before)
     env = (
-        not quoted
-        and m.group("kq") is None
+        m.group("kq") is None
         and m.group("sep") == "="
         and name.isupper()
         and _line_start(text, name_start)

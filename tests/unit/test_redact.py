@@ -258,6 +258,7 @@ CASES: list[Case] = [
     ("huggingface", lambda: _s("{}", p("h", "f_") + rnd("hf", 34)), "huggingface-token"),
     ("env-password", lambda: _s("export DB_PASSWORD='{}'", "hunter" + rnd("ep", 3)), "password"),
     ("env-api-key", lambda: _s("OPENAI_API_KEY={}\n", rnd("ek", 9)), "api-key"),
+    ("env-quoted", lambda: _s('SERVICE_TOKEN="{}"\n', rnd("eq", 9)), "token"),
 ]
 
 
@@ -349,6 +350,8 @@ def test_a_long_ordinary_text_is_returned_as_is() -> None:
         ("x-api-key", "api-key"),
         ("client_secret", "secret"),
         ("AWS_SECRET_ACCESS_KEY", "aws-secret"),
+        ("SecretAccessKey", "aws-secret"),
+        ("access_token_secret", "secret"),
         ("accessToken", "token"),
         ("GITHUB_TOKEN", "token"),
         ("private_key", "secret-key"),
