@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import math
 import re
+import threading
 from collections import Counter
 
 from proxy.cache import LRU
@@ -310,12 +311,15 @@ class Redactor:
 
     def __init__(self, capacity: int = 2048) -> None:
         self._seen: LRU[bytes, str] = LRU(capacity)  # hash -> redacted text, "" if unchanged
+        self._lock = threading.Lock()  # called on the event loop and on worker threads
 
     def __call__(self, text: str) -> str:
         key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        found = self._seen.get(key)
-        if found is None:
-            out = redact(text)
+        with self._lock:
+            found = self._seen.get(key)
+        if found is not None:
+            return found or text
+        out = redact(text)
+        with self._lock:
             self._seen[key] = "" if out == text else out
-            return out
-        return found or text
+        return out
