@@ -170,8 +170,10 @@ class MemorySettings:
     )
     redact_secrets: bool = opt(
         True,
-        "Redact API keys, tokens, private keys and secret-looking KEY=value lines before "
-        "anything is stored.",
+        "Redact secrets (API keys and tokens of some 60 kinds, private keys, passwords in URLs, "
+        "credential headers, random-looking values of password/secret/token/key names) in "
+        "everything stored: turns, tool-result slots, summaries, facts, request records. "
+        "Logs are redacted whatever this says.",
     )
     housekeeping_patterns: list[str] = opt(
         [],

@@ -1,4 +1,8 @@
-"""Structured logging: one line per event, as `key=value` text or JSON. Never bodies or keys."""
+"""Structured logging: one line per event, as `key=value` text or JSON. Never bodies or keys.
+
+Every record passes :class:`RedactSecrets` on the writer thread before it is written: its message
+(arguments filled in), its fields and its traceback are redacted (:func:`proxy.redact.redact`),
+whatever ``memory.redact_secrets`` says, so a logged upstream error or URL never prints a key."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import queue
 import sys
 import time
 from typing import Any
+
+from proxy.redact import redact
 
 
 class _Formatter(logging.Formatter):
@@ -45,6 +51,38 @@ def _text(value: Any) -> str:
     return json.dumps(text) if (not text or " " in text or '"' in text) else text
 
 
+class RedactSecrets(logging.Filter):
+    """Redacts a record's message, fields and traceback in place (always passes it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "engram_redacted", False):
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string: let the handler report it as logging does
+            return True
+        record.msg, record.args = redact(message), None
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            record.fields = {k: _redacted(v) for k, v in fields.items()}
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        record.engram_redacted = True
+        return True
+
+
+def _redacted(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return redact(str(value))
+
+
 class _DeferredQueueHandler(logging.handlers.QueueHandler):
     """Hands records to the writer thread unformatted: no formatting or write on the loop."""
 
@@ -59,6 +97,7 @@ def setup(level: str = "info", fmt: str = "text") -> logging.handlers.QueueListe
     event loop never blocks on stderr. Returns the listener; stop it at exit to flush."""
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(_Formatter(fmt == "json"))
+    stream.addFilter(RedactSecrets())  # on the writer thread: off the event loop
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     listener = logging.handlers.QueueListener(records, stream)
     listener.start()
@@ -67,6 +106,31 @@ def setup(level: str = "info", fmt: str = "text") -> logging.handlers.QueueListe
     root.setLevel(level.upper())
     root.propagate = False
     return listener
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record comes (tests swap it)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def setup_cli() -> None:
+    """For the commands other than ``serve``: warnings and errors of the 'engram' loggers go to
+    stderr as bare messages (as Python's last-resort handler would print them), redacted."""
+    root = logging.getLogger("engram")
+    if any(isinstance(f, RedactSecrets) for h in root.handlers for f in h.filters):
+        return
+    stream = _Stderr()
+    stream.setLevel(logging.WARNING)
+    stream.setFormatter(logging.Formatter("%(message)s"))
+    stream.addFilter(RedactSecrets())
+    root.addHandler(stream)
 
 
 def event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:

@@ -33,6 +33,7 @@ from proxy.chat.memory import MemoryService
 from proxy.chat.pipeline import ChatPipeline
 from proxy.config import Settings
 from proxy.logs import event
+from proxy.masking import display_url
 from proxy.paths import db_path
 from proxy.search.embedder import Embedder, from_settings
 from proxy.search.retrieval import Retriever
@@ -279,7 +280,8 @@ def _announce(info: UpstreamInfo) -> None:
             logging.WARNING,
             "no upstream found on 127.0.0.1:8080 (llama.cpp) or 127.0.0.1:11434 (Ollama); "
             "chat requests get 502 until one runs there (or pass --upstream URL)",
-            upstream=info.url,
+            upstream=display_url(info.url),
         )
     else:
-        event(log, logging.INFO, f"upstream {info.found_by}", upstream=info.url, kind=info.kind)
+        shown = display_url(info.url)
+        event(log, logging.INFO, f"upstream {info.found_by}", upstream=shown, kind=info.kind)

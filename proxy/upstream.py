@@ -22,6 +22,7 @@ from yarl import URL
 
 from proxy.config import UpstreamSettings
 from proxy.errors import UpstreamUnavailable
+from proxy.masking import display_url
 
 log = logging.getLogger("engram.upstream")
 
@@ -172,7 +173,8 @@ class Upstream:
             )
         except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
             raise UpstreamUnavailable(
-                f"Engram could not reach the upstream model server at {self.info.url}: "
+                "Engram could not reach the upstream model server at "
+                f"{display_url(self.info.url)}: "
                 f"{describe_connect_error(exc, self.settings.connect_timeout)}. "
                 "Is it running? Set it with --upstream URL or [upstream] url.",
             ) from exc

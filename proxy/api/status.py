@@ -8,11 +8,14 @@ import time
 from aiohttp import web
 
 from proxy import __version__
+from proxy.masking import display_url
+from proxy.redact import redact
 from proxy.services import SERVICES
 
 
 async def health(request: web.Request) -> web.Response:
-    """Engram's own state and whether the upstream answers."""
+    """Engram's own state and whether the upstream answers. Unguarded, so it shows the
+    upstream's URL without user, password or query, and no secret in the probe's detail."""
     services = request.app[SERVICES]
     upstream = services.upstream
     reachable, detail = await upstream.probe()
@@ -23,11 +26,11 @@ async def health(request: web.Request) -> web.Response:
             "version": __version__,
             "uptime_s": round(time.time() - services.started, 1),
             "upstream": {
-                "url": info.url,
+                "url": display_url(info.url),
                 "kind": info.kind,
                 "found_by": info.found_by,
                 "reachable": reachable,
-                "detail": detail,
+                "detail": redact(detail),
                 "context_size": info.context_size,
             },
             "background_tasks": len(services.tasks),

@@ -40,6 +40,7 @@ from proxy.background.items import add_item
 from proxy.background.summarizer import Summarizer, budgeted_call
 from proxy.config import Settings
 from proxy.logs import event
+from proxy.redact import redact
 from proxy.search.embedder import Embedder
 from proxy.search.fts_query import tokens as word_tokens
 from proxy.search.retrieval import Retriever
@@ -311,8 +312,9 @@ class Consolidator:
         texts = await self.store.read(lambda c: fact_texts(c, sid))
         known = {(normal(speaker), normal(content)) for speaker, content in texts}
         stored = 0
+        hide = redact if self.settings.memory.redact_secrets else str
         for fact in facts:
-            key = (normal(fact.subject), normal(fact.content()))
+            key = (normal(hide(fact.subject)), normal(hide(fact.content())))  # as stored
             if key in known:
                 continue
             source = best_source(fact, shown)
@@ -325,6 +327,7 @@ class Consolidator:
                 fact.subject,
                 fact.content(),
                 source_session=source.session_id if source is not None else None,
+                redact_secrets=self.settings.memory.redact_secrets,
             )
             known.add(key)
             stored += 1

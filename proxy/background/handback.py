@@ -115,6 +115,7 @@ class Handback:
             f"sub-agent {label}",
             content,
             source_session=session.id,
+            redact_secrets=self.settings.memory.redact_secrets,
         )
         await self.store.write(lambda c: set_completed(c, session.id, time.time()))
         self.made += 1

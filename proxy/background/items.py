@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from proxy.redact import redact
 from proxy.search.embedder import Embedder
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, embed_text, text_hash
@@ -27,10 +28,15 @@ async def add_item(
     speaker: str,
     content: str,
     source_session: str | None = None,
+    redact_secrets: bool = True,
 ) -> int:
-    """Store ``content`` as a memory item of ``session_id``; returns its turn id."""
+    """Store ``content`` as a memory item of ``session_id``; returns its turn id. The model
+    wrote it from archived turns, yet it is redacted too (``memory.redact_secrets``): turns
+    archived before a rule existed still hold what the rule now finds."""
     if role not in ITEM_ROLES:
         raise ValueError(f"a memory item's role is one of {ITEM_ROLES}, not {role!r}")
+    if redact_secrets:
+        speaker, content = redact(speaker), redact(content)
     text = embed_text(role, speaker, content)
     vector = (await embedder.embed_passages([text]))[0] if embedder is not None else None
     turn = NewTurn(

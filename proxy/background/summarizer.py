@@ -23,6 +23,7 @@ import aiohttp
 from proxy.chat.fence import clean_name, inert_line
 from proxy.config import Settings
 from proxy.logs import event
+from proxy.redact import redact
 from proxy.store.models import Turn
 from proxy.store.store import Store
 from proxy.store.summaries import Summary, get_summary, put_summary
@@ -218,6 +219,8 @@ class Summarizer:
                 session=session_id,
             )
             return previous
+        if self.settings.memory.redact_secrets:  # turns archived before a rule existed
+            content = redact(content)
         summary = Summary(session_id, content, covered, self.tokens.raw(content), time.time())
         await self.store.write(lambda c: put_summary(c, summary, model))
         self.made += 1

@@ -25,6 +25,7 @@ from proxy.chat.recall import Recall
 from proxy.chat.turn import MemoryTurn
 from proxy.config import Settings
 from proxy.messages import content_text
+from proxy.redact import Redactor
 from proxy.slots.refs import TOOL_ROLES, Candidate, references
 from proxy.slots.refs import apply as apply_slots
 from proxy.slots.refs import find as find_outputs
@@ -65,6 +66,8 @@ class Rewriter:
         self.slots = slots
         self._sizes: LRU[str, int] = LRU(SIZE_CACHE)  # chain hash -> message tokens
         self._raw_counts: LRU[str, int] = LRU(SIZE_CACHE)  # text hash -> tokens
+        # Tool outputs become slots redacted, as turns are archived.
+        self._redact = Redactor() if settings.memory.redact_secrets else None
         # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
         self.last_requests: LRU[str, tuple[float, Assembly]] = LRU(LAST_REQUESTS)
         self.fence_secret = secrets.token_bytes(32)  # the memory block's tags (fence.block_tag)
@@ -189,6 +192,7 @@ class Rewriter:
                 keep_recent=s.keep_recent,
                 count=self.raw_tokens,
                 detect_text=s.detect_text_results,
+                clean=self._redact,
             )
 
         found = await asyncio.to_thread(plan) if tool_chars > 20_000 else plan()

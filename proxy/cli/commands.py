@@ -193,7 +193,11 @@ async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> 
 
 
 def export(args: argparse.Namespace, path: Path) -> int:
-    out: TextIO = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    out: TextIO = (
+        open(args.output, "w", encoding="utf-8", opener=_private)  # noqa: SIM115
+        if args.output
+        else sys.stdout
+    )
     try:
         counts = asyncio.run(_export(path, args.user, out))
     finally:
@@ -202,6 +206,11 @@ def export(args: argparse.Namespace, path: Path) -> int:
     where = f" to {args.output}" if args.output else ""
     print(f"exported {counts['session']} sessions, {counts['turn']} turns{where}", file=sys.stderr)
     return 0
+
+
+def _private(path: str, flags: int) -> int:
+    """Open a new export file 0600 (umask aside): it holds memory."""
+    return os.open(path, flags, 0o600)
 
 
 async def _export(path: Path, user: str | None, out: TextIO) -> dict[str, int]:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from yarl import URL
-
 from proxy.config import Settings
+from proxy.masking import display_url
 from proxy.paths import default_db_path
+from proxy.redact import redact
 from proxy.search.embedder import from_settings
 from proxy.store.db import database_info
 from proxy.store.store import Store
@@ -117,7 +117,8 @@ async def upstream_check(settings: Settings) -> Check:
         ok, detail = await upstream.probe()
     finally:
         await upstream.close()
-    return Check("upstream", ok, f"{info.url} ({info.kind}, {info.found_by}): {detail}")
+    shown = display_url(info.url)
+    return Check("upstream", ok, f"{shown} ({info.kind}, {info.found_by}): {redact(detail)}")
 
 
 async def redis_check(settings: Settings) -> Check:
@@ -125,7 +126,7 @@ async def redis_check(settings: Settings) -> Check:
     url = getattr(slots, "redis_url", "") if slots is not None else ""
     if not url:
         return Check("redis", None, "not configured (tool slots use SQLite)")
-    shown = str(URL(url).with_password("***")) if URL(url).password else url
+    shown = display_url(url)
     try:
         module: Any = importlib.import_module("redis.asyncio")
         client = module.from_url(url, socket_connect_timeout=2, socket_timeout=2)
@@ -134,7 +135,7 @@ async def redis_check(settings: Settings) -> Check:
         finally:
             await client.aclose()
     except Exception as exc:
-        return Check("redis", False, f"{shown}: {exc}")
+        return Check("redis", False, f"{shown}: {redact(str(exc))}")
     return Check("redis", True, f"{shown}: PING answered")
 
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy import __version__, logs
 from proxy.cli import keys
-from proxy.config import ConfigError, Settings, as_dict, load_settings, render_defaults
+from proxy.config import ConfigError, Settings, load_settings, render_defaults
 
 log = logging.getLogger("engram.cli")
 
@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in MEMORY_COMMANDS:
             from proxy.cli import commands  # imported late: it loads the store and the embedder
 
+            logs.setup_cli()
+
             return commands.run(args, settings)
     except ConfigError as exc:
         print(f"engram: {exc}", file=sys.stderr)
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             import json
 
-            print(json.dumps(as_dict(settings), indent=2))
+            from proxy.masking import masked_settings
+
+            print(json.dumps(masked_settings(settings), indent=2))
         return 0
     return 2

@@ -139,9 +139,11 @@ def find(
     keep_recent: str,
     count: Callable[[str], int],
     detect_text: bool = False,
+    clean: Callable[[str], str] | None = None,
 ) -> list[Candidate]:
     """The outputs to replace, in message order. ``count`` gives a text's tokens (it must be
-    deterministic: the description holds the count)."""
+    deterministic: the description holds the count). ``clean`` (secret redaction) rewrites an
+    output and its description before they become a slot: what is stored is what it returns."""
     stop = protected_from(messages, keep_recent)
     calls = _calls_by_id(messages)
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
@@ -149,11 +151,11 @@ def find(
     for i, msg in enumerate(messages):
         role = msg.get("role")
         if role in TOOL_ROLES and i < stop:
-            found = _tool_candidate(i, msg, calls, min_tokens, count)
+            found = _tool_candidate(i, msg, calls, min_tokens, count, clean)
             if found is not None:
                 out.append(found)
         elif role == "user" and detect_text and i < min(stop, last_user):
-            out.extend(_text_candidates(i, msg, min_tokens, count))
+            out.extend(_text_candidates(i, msg, min_tokens, count, clean))
     return out
 
 
@@ -163,6 +165,7 @@ def _tool_candidate(
     calls: Mapping[str, tuple[str, Any]],
     min_tokens: int,
     count: Callable[[str], int],
+    clean: Callable[[str], str] | None,
 ) -> Candidate | None:
     content = msg.get("content")
     if not isinstance(content, str | list):
@@ -170,6 +173,7 @@ def _tool_candidate(
     text = content_text(content)
     if _too_small(text, min_tokens) or REFERENCE.fullmatch(text.split("\n", 1)[0]):
         return None
+    text = clean(text) if clean is not None else text
     tokens = count(text)
     if tokens <= min_tokens:
         return None
@@ -180,11 +184,17 @@ def _tool_candidate(
         hint = call_hint(arguments)
     elif isinstance(msg.get("name"), str):
         tool = msg["name"]
+    if hint is not None and clean is not None:
+        hint = clean(hint)
     return Candidate(i, _slot(tool, text, tokens, hint))
 
 
 def _text_candidates(
-    i: int, msg: Mapping[str, Any], min_tokens: int, count: Callable[[str], int]
+    i: int,
+    msg: Mapping[str, Any],
+    min_tokens: int,
+    count: Callable[[str], int],
+    clean: Callable[[str], str] | None,
 ) -> list[Candidate]:
     content = msg.get("content")
     if isinstance(content, str):
@@ -208,10 +218,13 @@ def _text_candidates(
             body = text[start:end].strip("\n")
             if _too_small(body, min_tokens) or REFERENCE.search(body[:200]):
                 continue
+            body = clean(body) if clean is not None else body
             tokens = count(body)
             if tokens <= min_tokens:
                 continue
             hint = f"for: {head.group(2)}" if head.group(2) else None
+            if hint is not None and clean is not None:
+                hint = clean(hint)
             out.append(Candidate(i, _slot(head.group(1), body, tokens, hint), p, start, end))
     return out
 

@@ -27,6 +27,8 @@ from typing import Any, TypeAlias, cast
 
 import sqlite_vec
 
+from proxy.store.files import private_file
+
 # Every driver's connection behaves as sqlite3.Connection; typed as one for mypy's sake.
 Connection: TypeAlias = sqlite3.Connection
 
@@ -131,6 +133,8 @@ def connect(
     at a time).
     """
     drv = driver()
+    if str(path) != ":memory:":
+        private_file(Path(path))  # 0600 before SQLite creates it (its -wal/-shm follow)
     conn = drv.module.connect(
         str(path), isolation_level=None, check_same_thread=False, timeout=busy_timeout_ms / 1000
     )

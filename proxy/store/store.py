@@ -118,8 +118,7 @@ class Store:
         )
 
         def _open_writer() -> None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = connect(self.path)
+            conn = connect(self.path)  # creates the file 0600, its folder 0700 if missing
             try:
                 migrate(conn)
             except BaseException:

@@ -253,7 +253,7 @@ async def test_secrets_are_redacted_before_storage(
     await chat(http, engram, [{"role": "user", "content": text}], user="r")
     await settle(engram)
     stored = (await all_turns(engram, "r"))[0].content
-    assert "abcdefghijklmnop" not in stored and "[REDACTED]" in stored
+    assert "abcdefghijklmnop" not in stored and "[REDACTED:" in stored
     db = engram.app[SERVICES].store
     hits = await db.read(
         lambda c: c.execute(

@@ -89,5 +89,5 @@ def test_redaction() -> None:
         "ghp_abc",
     ):
         assert secret not in out
-    assert "PATH=/usr/bin" in out and "my key is [REDACTED] ok" in out
+    assert "PATH=/usr/bin" in out and "my key is [REDACTED:openai-key] ok" in out
     assert redact("nothing to see here") == "nothing to see here"
