@@ -177,7 +177,7 @@ async def last_request_handler(request: web.Request) -> web.Response:
     found = _parts(request).memory.last_requests.get(session.id)
     if found is None:
         raise NotFound(
-            f"No request of session {session.id!r} was forwarded since Engram started.",
+            f"No request of session {session.name!r} was forwarded since Engram started.",
             code="no_request_recorded",
         )
     when, assembly = found
@@ -193,7 +193,7 @@ async def last_request_handler(request: web.Request) -> web.Response:
     ]
     return web.json_response(
         {
-            "session": session.id,
+            "session": session.name,
             "at": when,
             "at_iso": iso(when),
             "rewritten": assembly.rewritten,
@@ -215,7 +215,7 @@ async def complete_handler(request: web.Request) -> web.Response:
     session = await owned_session(store, user, request.match_info["id"])
     if session.parent_id is None:
         raise BadRequest(
-            f"Session {session.id!r} has no parent: only sub-agent sessions (started with "
+            f"Session {session.name!r} has no parent: only sub-agent sessions (started with "
             "X-Engram-Parent) are completed.",
             code="not_a_subagent",
         )
@@ -224,7 +224,7 @@ async def complete_handler(request: web.Request) -> web.Response:
     queued = handback.complete(session)
     return web.json_response(
         {
-            "id": session.id,
+            "id": session.name,
             "parent": session.parent_id,
             "status": "queued" if queued else "already running",
         },
@@ -238,8 +238,8 @@ async def delete_handler(request: web.Request) -> web.Response:
     session = await owned_session(store, user, request.match_info["id"])
     turns = await store.count_turns(session.id)
     if not await store.delete_session(session.id, user_id=user):
-        raise NotFound(f"No session {session.id!r} for user {user!r}.", code="session_not_found")
-    return web.json_response({"id": session.id, "deleted": True, "turns": turns})
+        raise NotFound(f"No session {session.name!r} for user {user!r}.", code="session_not_found")
+    return web.json_response({"id": session.name, "deleted": True, "turns": turns})
 
 
 async def export_handler(request: web.Request) -> web.StreamResponse:

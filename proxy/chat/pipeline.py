@@ -167,8 +167,8 @@ class ChatPipeline:
             self.memory.record_request(turn.request_id, mt)
         except Exception:
             log.exception("recording the request for feedback failed")
-        if mt.placement is not None:
-            turn.response_headers["X-Engram-Session"] = mt.placement.session.id
+        if mt.placement is not None:  # the client's own id for it (a name within its user)
+            turn.response_headers["X-Engram-Session"] = mt.placement.session.name
         turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
         if mt.assembly is not None:
             a = mt.assembly
@@ -270,6 +270,8 @@ class ChatPipeline:
         self._run_hooks(turn)
 
     def _run_hooks(self, turn: ChatTurn) -> None:
+        if self.memory is not None and turn.memory is not None:
+            self.memory.settle(turn.memory, turn.status)  # recorded only if accepted
         counts = self.counts
         counts[f"chat_{turn.mode}"] += 1
         counts["client_disconnects"] += turn.client_gone

@@ -52,6 +52,8 @@ class MemoryTurn:
     view: list[dict[str, Any]] | None = None
     slot_refs: list[str] = field(default_factory=list)  # slot ids the forwarded prompt holds
     query_vector: asyncio.Task[Any] | None = None  # the recall query's embedding, under way
+    request_id: str | None = None  # X-Engram-Request-Id, recorded for feedback once accepted
+    recorded: bool = False  # the request record is written (or under way)
 
 
 @dataclass

@@ -51,8 +51,6 @@ so they take no candidate places. Everything is always confined to ``user_id``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -63,6 +61,7 @@ from typing import Any, TypeVar
 
 from proxy.store import indexing, queries, search
 from proxy.store.db import Connection, connect
+from proxy.store.export import export_items
 from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
 from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
@@ -420,22 +419,9 @@ class Store:
         return count
 
     # -- export, stats, meta --------------------------------------------------------------
-    async def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:
+    def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:
         """Everything one user namespace holds, as JSON-ready dicts: sessions, then turns."""
-        for session in await self.read(lambda c: queries.session_rows(c, user_id)):
-            yield {"type": "session", **_asdict(session)}
-        after = 0
-        while True:
-            page = await self.read(
-                functools.partial(
-                    queries.user_turns_page, user_id=user_id, after_id=after, limit=page_size
-                )
-            )
-            for turn in page:
-                yield {"type": "turn", **_asdict(turn)}
-            if len(page) < page_size:
-                return
-            after = page[-1].id
+        return export_items(self.read, user_id, page_size)
 
     async def list_users(self) -> list[str]:
         return await self.read(queries.list_users)
@@ -454,7 +440,3 @@ class Store:
             return current == name
 
         return await self.write(job)
-
-
-def _asdict(row: Session | Turn) -> dict[str, Any]:
-    return dataclasses.asdict(row)
