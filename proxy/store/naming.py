@@ -44,6 +44,14 @@ def named_session(conn: Connection, user_id: str, name: str) -> Session | None:
     return session_of(row) if row is not None else None
 
 
+def sessions_named(conn: Connection, name: str) -> list[Session]:
+    """Every user's session of this name (for the command line, which may name no user)."""
+    rows = conn.execute(
+        f"SELECT {SESSION_COLS} FROM sessions WHERE name = ? ORDER BY user_id", (name,)
+    )
+    return [session_of(r) for r in rows]
+
+
 def free_session_id(conn: Connection, user_id: str, name: str) -> str:
     """An id no session has, for the user's new session ``name``: the name itself if free."""
     digest = hashlib.sha256(f"{len(user_id)}:{user_id}\0{name}".encode()).hexdigest()[:16]
