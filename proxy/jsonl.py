@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from proxy import json_input
+
 ROLES = frozenset(
     {"system", "developer", "user", "assistant", "tool", "function", "summary", "fact"}
 )
@@ -78,7 +80,11 @@ class _Invalid(ValueError):
 def parse_line(line_no: int, text: str) -> TurnRecord | SessionRecord | LineError:
     """Decode and validate one JSON line."""
     try:
-        obj = json.loads(text)
+        obj = json_input.loads(text)
+    except json_input.TooDeep:
+        return LineError(
+            line_no, f"JSON nested deeper than {json_input.MAX_DEPTH} levels (not a record)"
+        )
     except ValueError as exc:
         return LineError(line_no, f"not valid JSON: {exc}")
     return parse_record(line_no, obj)

@@ -33,6 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import json_input
 from proxy.api.views import (
     clean_query,
     clean_user,
@@ -270,7 +271,9 @@ async def json_object(request: web.Request) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequest("Request body is empty; expected a JSON object.", code="invalid_json")
     try:
-        body = json.loads(raw)
+        body = json_input.loads(raw)
+    except json_input.TooDeep as exc:
+        raise BadRequest(f"Request body is not accepted: {exc}.", code="json_too_deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):

@@ -32,7 +32,7 @@ from proxy.relay import is_event_stream, read_body, relay
 from proxy.slots.expand import can_add_tool
 from proxy.slots.loop import Expander, Outcome
 from proxy.tasks import BackgroundTasks
-from proxy.upstream import Upstream, forward_headers
+from proxy.upstream import Upstream, check_target, forward_headers
 
 log = logging.getLogger("engram.pipeline")
 
@@ -84,6 +84,7 @@ class ChatPipeline:
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        check_target(request.raw_path)  # before any work: a 400 for an absolute-form target
         raw = await read_body(request, self.settings.server.max_body_bytes)
         mode = memory_mode(request.headers.get("X-Engram-Memory"))
         request_id = uuid.uuid4().hex
