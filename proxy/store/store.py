@@ -35,7 +35,7 @@ Public surface (all ``async`` except the constructor)::
     get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=()) -> [(id, bm25)]
-    fts_word_shares(words, *, min_turns=0) -> {word: share of all turns holding it}
+    fts_word_shares(user_id, words, *, min_turns=0, above=0) -> {word: share of the user's turns}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
@@ -102,6 +102,7 @@ class Store:
         self._reader_conns: list[Connection] = []
         self._conns_lock = threading.Lock()
         self._user_counts: dict[str, tuple[float, int]] = {}
+        self._words = search.UserWordCounts()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def open(self) -> None:
@@ -386,22 +387,29 @@ class Store:
         return await self.read(job)
 
     async def fts_word_shares(
-        self, words: Sequence[str], *, min_turns: int = 0
+        self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
     ) -> dict[str, float]:
-        """For each query word, the share of all stored turns (every user, as BM25 counts) whose
-        FTS5 row holds it; from the index's vocabulary, far cheaper than a search. Empty while
-        fewer than ``min_turns`` turns are stored (a recent count)."""
+        """For each query word, the share of ``user_id``'s turns whose FTS5 row holds it, as
+        far as known without waiting (:class:`proxy.store.search.UserWordCounts`: a word that
+        could pass ``above`` is counted in the user's rows in the background, and until then
+        gets a share no higher than ``above``). Empty while the user holds fewer than
+        ``min_turns`` turns."""
         words = list(dict.fromkeys(words))
         if not words:
             return {}
 
         def job(c: Connection) -> dict[str, float]:
-            total = self._user_turn_count(c, None)
-            if total < max(1, min_turns):
+            mine = self._user_turn_count(c, user_id)
+            if mine < max(1, min_turns):
                 return {}
-            return {w: n / total for w, n in search.term_rows(c, words).items()}
+            total = self._user_turn_count(c, None)
+            return self._words.shares(c, user_id, words, mine, total, above)
 
-        return await self.read(job)
+        shares = await self.read(job)
+        if self._words.pending() and self._reader_pool is not None:
+            self._words.running = True  # counted in the background: nothing waits for it
+            self._reader_pool.submit(lambda: self._words.run(self._local.conn))
+        return shares
 
     def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
         """A recent count of the user's turns, or (``None``) of all turns (reader thread; a
