@@ -20,8 +20,8 @@ class Placement:
 
     session: Session
     matched: int  # leading messages of the request already stored in this session
-    explicit: bool
-    created: bool
+    explicit: bool  # named by the client (a name within its user)
+    created: bool  # a new session, planned: the archive's commit creates it
     next_position: int  # the position the first new message takes
 
 
