@@ -200,9 +200,7 @@ async def prefill(store: Store, gen: TextGen, user: str, start: int, n: int) -> 
 def _place(conn: Any, req: Any, now: float) -> Any:
     from proxy.chat.sessions import place
 
-    placement = place(conn, req, True, now)
-    assert placement is not None
-    return placement
+    return place(conn, req, now)
 
 
 async def commit_cost(store: Store, gen: TextGen, user: str, requests: int) -> dict[str, Any]:
@@ -228,7 +226,7 @@ async def commit_cost(store: Store, gen: TextGen, user: str, requests: int) -> d
             now = time.time()
             chains = chain_hashes(messages)
             req = Request(user, explicit, chains, anchor_length(messages))
-            placement = await store.write(functools.partial(_place, req=req, now=now))
+            placement = await store.read(functools.partial(_place, req=req, now=now))
             first = placement.matched
             rows = to_new_turns(
                 messages[first:], chains[first:], placement.next_position, True, now

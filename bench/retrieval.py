@@ -115,7 +115,7 @@ async def search_latency(
                 t0 = time.perf_counter()
                 (qv,) = await embedder.embed_queries([q])
                 t1 = time.perf_counter()
-                match = match_of(await retriever._uncommon(query_words(q)))
+                match = match_of(await retriever._uncommon(user, query_words(q)))
                 if match is not None:
                     await store.fts_search(user, match, n)
                 t2 = time.perf_counter()

@@ -260,9 +260,10 @@ class RetrievalSettings:
     )
     fts_common_share: float = opt(
         0.3,
-        "Once more than 20,000 turns are stored, leave out of the FTS5 query the words held by "
-        "more than this share of them: they barely move BM25's ranking, yet FTS5 scores every "
-        "row they match (at 100k turns 0.3 cut FTS5's time by a third). 1 keeps every word.",
+        "Once a user holds more than 20,000 turns, leave out of that user's FTS5 queries the "
+        "words held by more than this share of the user's own turns (another user's archive "
+        "never counts): they barely move BM25's ranking, yet FTS5 scores every row they match "
+        "(at 100k turns 0.3 cut FTS5's time by a third). 1 keeps every word.",
         min=0,
         max=1,
     )

@@ -5,7 +5,9 @@ defaults to ``default``; ``speaker`` and ``timestamp`` are optional; ``timestamp
 seconds or an ISO 8601 string, naive times being UTC; ``tool_calls``, ``tool_call_id`` and
 ``incomplete`` are kept when present; other keys, such as the ``position`` export writes, are
 ignored). A line ``{"type": "session", "user", "session", "parent", "agent", "indexed"}`` creates
-a session before its turns; ``engram export`` writes them, so an export imports back.
+a session before its turns; ``engram export`` writes them, so an export imports back. ``session``
+and ``parent`` are names within ``user`` (the ids the user's clients know them by): two users may
+each have a session of the same name.
 
 Pure functions: :func:`parse_line` gives a record or a :class:`LineError` naming the line and
 the reason; :func:`export_line` turns a :meth:`Store.export` item into a line.
@@ -20,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+from proxy import json_input
 
 ROLES = frozenset(
     {"system", "developer", "user", "assistant", "tool", "function", "summary", "fact"}
@@ -76,7 +80,11 @@ class _Invalid(ValueError):
 def parse_line(line_no: int, text: str) -> TurnRecord | SessionRecord | LineError:
     """Decode and validate one JSON line."""
     try:
-        obj = json.loads(text)
+        obj = json_input.loads(text)
+    except json_input.TooDeep:
+        return LineError(
+            line_no, f"JSON nested deeper than {json_input.MAX_DEPTH} levels (not a record)"
+        )
     except ValueError as exc:
         return LineError(line_no, f"not valid JSON: {exc}")
     return parse_record(line_no, obj)
@@ -186,8 +194,8 @@ def export_line(item: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "type": "session",
             "user": item["user_id"],
-            "session": item["id"],
-            "parent": item["parent_id"],
+            "session": item.get("name") or item["id"],
+            "parent": item.get("parent_name", item["parent_id"]),
             "agent": item["agent"],
             "indexed": item["indexed"],
             "created_at": item["created_at"],
@@ -196,7 +204,7 @@ def export_line(item: Mapping[str, Any]) -> dict[str, Any]:
     line: dict[str, Any] = {
         "type": "turn",
         "user": item["user_id"],
-        "session": item["session_id"],
+        "session": item.get("session_name") or item["session_id"],
         "position": item["position"],
         "role": item["role"],
         "speaker": item["speaker"],

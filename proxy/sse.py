@@ -108,7 +108,7 @@ class ChatAssembler:
             return
         try:
             obj = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             return  # not ours to judge: relayed as sent, just not assembled
         if isinstance(obj, dict):
             self.add_chunk(obj)

@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.config import UpstreamSettings
-from proxy.errors import UpstreamUnavailable
+from proxy.errors import BadRequest, UpstreamUnavailable
 from proxy.masking import display_url
 
 log = logging.getLogger("engram.upstream")
@@ -93,11 +93,25 @@ def response_headers(headers: Mapping[str, str], *, keep_cors: bool) -> CIMultiD
     return out
 
 
+def check_target(raw_path: str) -> None:
+    """A 400 unless the request target is a path (origin-form, ``/...``): an absolute-form
+    target (``POST http://host/v1/... HTTP/1.1``, which aiohttp accepts and routes by its path)
+    would otherwise be glued to the upstream's origin."""
+    if not raw_path.startswith("/"):
+        raise BadRequest(
+            "The request target must be a path such as /v1/chat/completions; Engram is not a "
+            f"forward proxy (got {raw_path[:100]!r}).",
+            code="invalid_request_target",
+        )
+
+
 def join_url(base: URL, raw_path: str) -> URL:
-    """The upstream URL for an incoming raw path+query (kept byte-exact, already encoded).
+    """The upstream URL for an incoming raw path+query (kept byte-exact, already encoded; a
+    target that is not a path is a 400, see :func:`check_target`).
 
     A base that ends in ``/v1`` (as people write OPENAI_BASE_URL) does not double it.
     """
+    check_target(raw_path)
     prefix = base.raw_path.rstrip("/")
     if prefix.endswith("/v1") and (raw_path == "/v1" or raw_path.startswith(("/v1/", "/v1?"))):
         prefix = prefix[:-3]

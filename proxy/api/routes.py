@@ -31,6 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy import json_input
 from proxy.api.views import (
     clean_query,
     clean_user,
@@ -153,7 +154,7 @@ async def last_request_handler(request: web.Request) -> web.Response:
     found = _parts(request).memory.last_requests.get(session.id)
     if found is None:
         raise NotFound(
-            f"No request of session {session.id!r} was forwarded since Engram started.",
+            f"No request of session {session.name!r} was forwarded since Engram started.",
             code="no_request_recorded",
         )
     when, assembly = found
@@ -169,7 +170,7 @@ async def last_request_handler(request: web.Request) -> web.Response:
     ]
     return web.json_response(
         {
-            "session": session.id,
+            "session": session.name,
             "at": when,
             "at_iso": iso(when),
             "rewritten": assembly.rewritten,
@@ -191,7 +192,7 @@ async def complete_handler(request: web.Request) -> web.Response:
     session = await owned_session(store, user, request.match_info["id"])
     if session.parent_id is None:
         raise BadRequest(
-            f"Session {session.id!r} has no parent: only sub-agent sessions (started with "
+            f"Session {session.name!r} has no parent: only sub-agent sessions (started with "
             "X-Engram-Parent) are completed.",
             code="not_a_subagent",
         )
@@ -200,7 +201,7 @@ async def complete_handler(request: web.Request) -> web.Response:
     queued = handback.complete(session)
     return web.json_response(
         {
-            "id": session.id,
+            "id": session.name,
             "parent": session.parent_id,
             "status": "queued" if queued else "already running",
         },
@@ -214,8 +215,8 @@ async def delete_handler(request: web.Request) -> web.Response:
     session = await owned_session(store, user, request.match_info["id"])
     turns = await store.count_turns(session.id)
     if not await store.delete_session(session.id, user_id=user):
-        raise NotFound(f"No session {session.id!r} for user {user!r}.", code="session_not_found")
-    return web.json_response({"id": session.id, "deleted": True, "turns": turns})
+        raise NotFound(f"No session {session.name!r} for user {user!r}.", code="session_not_found")
+    return web.json_response({"id": session.name, "deleted": True, "turns": turns})
 
 
 async def export_handler(request: web.Request) -> web.StreamResponse:
@@ -246,7 +247,9 @@ async def json_object(request: web.Request) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequest("Request body is empty; expected a JSON object.", code="invalid_json")
     try:
-        body = json.loads(raw)
+        body = json_input.loads(raw)
+    except json_input.TooDeep as exc:
+        raise BadRequest(f"Request body is not accepted: {exc}.", code="json_too_deep") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):

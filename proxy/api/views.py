@@ -3,7 +3,9 @@ shares with it. No aiohttp here: the command line imports this without the web a
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +15,7 @@ from proxy.errors import BadRequest, NotFound, ServiceUnavailable
 from proxy.search.retrieval import MODES, Hit, Retriever
 from proxy.slots.model import Slot
 from proxy.store.models import Session, Turn
+from proxy.store.naming import named_session, session_names
 from proxy.store.store import Store
 
 DEFAULT_K = 10
@@ -107,11 +110,14 @@ def hit_json(hit: Hit) -> dict[str, Any]:
     }
 
 
-def session_json(s: Session, turns: int) -> dict[str, Any]:
+def session_json(s: Session, turns: int, names: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A session as its owner knows it: ``id`` is its name, ``parent`` the parent's name (from
+    ``names``, session id -> name, when given)."""
+    parent = s.parent_id
     return {
-        "id": s.id,
+        "id": s.name,
         "user": s.user_id,
-        "parent": s.parent_id,
+        "parent": (names or {}).get(parent, parent) if parent is not None else None,
         "level": s.level,
         "agent": s.agent,
         "indexed": s.indexed,
@@ -153,9 +159,10 @@ def slot_json(slot: Slot, backend: str) -> dict[str, Any]:
 
 
 async def owned_session(store: Store, user: str, session_id: str) -> Session:
-    """The user's session, or a 404 that does not tell whether another user has one."""
-    found = await store.get_session(session_id)
-    if found is None or found.user_id != user:
+    """The user's session of this id (the name the user's client knows it by), or a 404 that
+    does not tell whether another user has one."""
+    found = await store.read(lambda c: named_session(c, user, session_id))
+    if found is None:
         raise NotFound(f"No session {session_id!r} for user {user!r}.", code="session_not_found")
     return found
 
@@ -170,18 +177,28 @@ async def search(
     mode: str = "hybrid",
     session: str | None = None,
 ) -> list[Hit]:
-    if session is not None:
-        await owned_session(store, user, session)
+    """The user's best hits; each turn's ``session_id`` is given as the session's name (the id
+    its owner knows it by)."""
+    scope = [(await owned_session(store, user, session)).id] if session is not None else None
     if mode == "vec" and retriever.embedder is None:
         raise ServiceUnavailable(
             "Vector search is off: the embedding model did not load (see the log).",
             code="vector_search_unavailable",
         )
-    return await retriever.search(
-        user, query, k, mode=mode, session_ids=[session] if session is not None else None
-    )
+    hits = await retriever.search(user, query, k, mode=mode, session_ids=scope)
+    ids = [h.turn.session_id for h in hits]
+    names = await store.read(lambda c: session_names(c, ids)) if ids else {}
+    return [_named(h, names.get(h.turn.session_id)) for h in hits]
+
+
+def _named(hit: Hit, name: str | None) -> Hit:
+    if name is None or name == hit.turn.session_id:
+        return hit
+    return dataclasses.replace(hit, turn=dataclasses.replace(hit.turn, session_id=name))
 
 
 async def sessions_json(store: Store, user: str) -> list[dict[str, Any]]:
     counts = await store.session_turn_counts(user)
-    return [session_json(s, counts.get(s.id, 0)) for s in await store.list_sessions(user)]
+    sessions = await store.list_sessions(user)
+    names = {s.id: s.name for s in sessions}
+    return [session_json(s, counts.get(s.id, 0), names) for s in sessions]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -57,6 +56,7 @@ from proxy.store.feedback import (
 )
 from proxy.store.items import fact_texts
 from proxy.store.models import RECALLED_ROLES, Turn
+from proxy.store.naming import create_named, facts_session_name
 from proxy.store.store import Store
 
 log = logging.getLogger("engram.consolidation")
@@ -102,22 +102,18 @@ def neighbourhoods(conn: Connection, hits: Sequence[Turn], n: int) -> list[Turn]
 
 
 def facts_session(conn: Connection, user_id: str, now: float) -> str:
-    """The user's facts session (indexed), created when first needed."""
-    sid = f"facts~{user_id}"
-    found = queries.get_session(conn, sid)
-    if found is not None and found.user_id != user_id:  # a client took the name
-        sid = f"{sid}~{hashlib.sha256(user_id.encode()).hexdigest()[:8]}"
-    queries.get_or_create_session(
+    """The id of the user's facts session (indexed; named ``facts~<user>``, a name no client can
+    take: :mod:`proxy.store.naming`), created when first needed."""
+    return create_named(
         conn,
         user_id,
-        sid,
+        facts_session_name(user_id),
         parent_id=None,
         agent=FACTS_AGENT,
         fingerprint=None,
         indexed=True,
         now=now,
-    )
-    return sid
+    ).id
 
 
 def best_source(fact: Fact, turns: Sequence[Turn]) -> Turn | None:

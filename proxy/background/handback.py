@@ -105,7 +105,7 @@ class Handback:
                 session=session.id,
             )
             return None
-        label = session.agent or session.id
+        label = session.agent or session.name
         item = await add_item(
             self.store,
             self.embedder,

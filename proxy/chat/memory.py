@@ -148,9 +148,10 @@ class MemoryService:
             ident.agent,
             self.settings.sessions.max_depth,
         )
-        mt.placement = await (self.store.write if write else self.store.read)(
-            lambda c: place(c, req, write, now)
-        )
+        # Placement only reads: a new session is created by the commit, once the upstream has
+        # accepted the request (a rejected one leaves nothing behind).
+        placement = await self.store.read(lambda c: place(c, req, now))
+        mt.placement = placement if write or not placement.created else None
         try:
             await self.rewriter.compose(mt, conv.reply_tokens, recall=recall)
         finally:
@@ -165,11 +166,24 @@ class MemoryService:
         return mt
 
     def record_request(self, request_id: str, mt: MemoryTurn) -> None:
-        """Remember the request (in the background) so that feedback can name it."""
-        if self.feedback is None or mt.skipped is not None:
+        """Note the request's id, so that feedback can name it once the upstream accepted it
+        (:meth:`settle`); a rejected request is not recorded."""
+        mt.request_id = request_id
+
+    def settle(self, mt: MemoryTurn, status: int | None) -> None:
+        """The reply is over: record the request for feedback (in the background) if the
+        upstream accepted it and the commit has not already done so."""
+        if status == 200:
+            self._record(mt)
+
+    def _record(self, mt: MemoryTurn) -> None:
+        if self.feedback is None or mt.skipped is not None or mt.request_id is None:
             return
+        if mt.recorded:
+            return
+        mt.recorded = True
         self.feedback.record(
-            request_id,
+            mt.request_id,
             mt.identity.user,
             mt.placement.session.id if mt.placement is not None else None,
             last_user_text(mt.messages),
@@ -180,9 +194,12 @@ class MemoryService:
     async def commit(
         self, mt: MemoryTurn, reply_message: dict[str, Any] | None, complete: bool
     ) -> None:
-        """Archive the turn (see :meth:`proxy.chat.archive.Archive.commit`), then fold what aged
-        out of the window into the summary, in the background."""
+        """Archive the turn (see :meth:`proxy.chat.archive.Archive.commit`; called only for a
+        reply the upstream accepted), record the request (before the client's last byte, so
+        feedback can name it at once), then fold what aged out of the window into the summary,
+        in the background."""
         await self.archive.commit(mt, reply_message, complete)
+        self._record(mt)
         if mt.summary_upto is not None:
             self._schedule_summary(mt, mt.summary_upto)
 

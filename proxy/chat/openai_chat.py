@@ -3,10 +3,10 @@ and the identity one, since its messages are the neutral shape (:mod:`proxy.chat
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+from proxy import json_input
 from proxy.chat.api import Conversation, Message
 from proxy.errors import BadRequest
 from proxy.messages import without_lone_surrogates
@@ -78,8 +78,8 @@ class WholeReader:
     def finish(self, ended_cleanly: bool) -> AssembledReply:
         data = b"".join(self.chunks)
         try:
-            obj = json.loads(data) if data else None
-        except (ValueError, UnicodeDecodeError):
+            obj = json_input.loads(data) if data else None
+        except (ValueError, UnicodeDecodeError):  # not JSON, or nested too deep
             obj = None
         reply = reply_from_completion(obj)
         reply.complete = reply.complete and ended_cleanly
@@ -93,7 +93,12 @@ def parse_chat_body(raw: bytes) -> dict[str, Any]:
             "Request body is empty; expected a JSON object with `messages`.", code="invalid_json"
         )
     try:
-        body = json.loads(raw)
+        body = json_input.loads(raw)
+    except json_input.TooDeep:
+        raise BadRequest(
+            f"Request body nests arrays and objects deeper than {json_input.MAX_DEPTH} levels.",
+            code="json_too_deep",
+        ) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
     if not isinstance(body, dict):

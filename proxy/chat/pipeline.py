@@ -33,7 +33,7 @@ from proxy.relay import is_event_stream, read_body, relay
 from proxy.slots.expand import can_add_tool
 from proxy.slots.loop import Expander, Outcome
 from proxy.tasks import BackgroundTasks
-from proxy.upstream import Upstream, forward_headers
+from proxy.upstream import Upstream, check_target, forward_headers
 
 log = logging.getLogger("engram.pipeline")
 
@@ -85,6 +85,7 @@ class ChatPipeline:
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        check_target(request.raw_path)  # before any work: a 400 for an absolute-form target
         raw = await read_body(request, self.settings.server.max_body_bytes)
         mode = memory_mode(request.headers.get("X-Engram-Memory"))
         request_id = uuid.uuid4().hex
@@ -169,8 +170,8 @@ class ChatPipeline:
             self.memory.record_request(turn.request_id, mt)
         except Exception:
             log.exception("recording the request for feedback failed")
-        if mt.placement is not None:
-            turn.response_headers["X-Engram-Session"] = mt.placement.session.id
+        if mt.placement is not None:  # the client's own id for it (a name within its user)
+            turn.response_headers["X-Engram-Session"] = mt.placement.session.name
         turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
         if mt.assembly is not None:
             a = mt.assembly
@@ -272,6 +273,8 @@ class ChatPipeline:
         self._run_hooks(turn)
 
     def _run_hooks(self, turn: ChatTurn) -> None:
+        if self.memory is not None and turn.memory is not None:
+            self.memory.settle(turn.memory, turn.status)  # recorded only if accepted
         counts = self.counts
         counts[f"chat_{turn.mode}"] += 1
         counts["client_disconnects"] += turn.client_gone

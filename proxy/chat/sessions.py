@@ -1,17 +1,25 @@
-"""Which conversation a request belongs to: placement before forwarding, and the commit's
-re-check when the turn is archived.
+"""Which conversation a request belongs to: placement before forwarding (nothing written), and
+the commit that creates the session and stores the turn once the upstream accepted it.
 
-An explicit id (header or body) names the session, scoped to its user (another user's id gets
-a ``~<hash>`` suffix). Without one the conversation is recognised by its chain of message hashes
-(:mod:`proxy.messages`): a stored session whose turns are a prefix of this request, matched
-through at least the first assistant reply, is continued; one whose stored turns go on
-differently after the match (an edited or regenerated message) is forked: the new session
-stores the turns from the point where they differ. :func:`commit_turns` checks the placement
-again inside the archive's transaction: if a concurrent request of the same conversation stored
-something else at these positions meanwhile, the rest forks there.
+Sessions are keyed by owner (:mod:`proxy.store.naming`): a client's session id is a name within
+its user's namespace, looked up by (user, name) and never by the global key, so no id chosen in
+another namespace can capture a turn, and two users may use the same name. Names Engram keeps
+for itself (``facts~<user>``) are mapped away from what clients send (:func:`client_name`).
 
-Both run inside one write transaction each (``Store.write``); all SQL is in
-:mod:`proxy.store.queries`.
+An explicit id (header or body) names the session. A sub-agent's session (``X-Engram-Parent``,
+a name of the same user) is always a child of that parent: an explicit id naming any other
+session (the parent's own, say) is not used, and the request is placed by its messages among
+the parent's children. Without an explicit id the conversation is recognised by its chain of
+message hashes (:mod:`proxy.messages`): a stored session whose turns are a prefix of this
+request, matched through at least the first assistant reply, is continued; one whose stored
+turns go on differently after the match (an edited or regenerated message) is forked: the new
+session stores the turns from the point where they differ.
+
+:func:`place` only reads: a session it finds no place for is planned (``Placement.created``), and
+:func:`commit_turns` creates it in the archive's transaction, after the upstream accepted the
+request, so a rejected request leaves no session behind. The commit checks the placement again:
+if a concurrent request of the same conversation stored something else at these positions
+meanwhile, the rest forks there. All SQL is in :mod:`proxy.store`.
 """
 
 from __future__ import annotations
@@ -28,49 +36,77 @@ from proxy.errors import NestingLimitExceeded, ParentNotFound
 from proxy.store import queries
 from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session
+from proxy.store.naming import RESERVED_PREFIXES, create_named, free_session_id, named_session
 
 log = logging.getLogger("engram.sessions")
 
 
-def scoped_session_id(explicit: str, user: str, owner: str | None) -> str:
-    """A client-chosen session id, kept as is unless another user already owns it."""
-    if owner is None or owner == user:
-        return explicit
-    return f"{explicit}~{hashlib.sha256(user.encode()).hexdigest()[:8]}"
+def client_name(value: str | None) -> str | None:
+    """A session name as a client sent it, mapped away from the names Engram reserves (a stable
+    ``h-<hash>``, as :mod:`proxy.chat.identity` makes of an unsafe id)."""
+    if value is None or not value.startswith(RESERVED_PREFIXES):
+        return value
+    return "h-" + hashlib.sha256(value.encode()).hexdigest()[:24]
 
 
-def _new_session(
-    conn: Connection,
+def _chain_id() -> str:
+    return "s-" + uuid.uuid4().hex[:20]
+
+
+def _planned(
     user: str,
     sid: str,
+    name: str,
     fingerprint: str | None,
     now: float,
-    parent: Session | None = None,
-    agent: str | None = None,
+    parent: Session | None,
+    agent: str | None,
 ) -> Session:
-    return queries.get_or_create_session(
-        conn,
-        user,
-        sid,
+    """A session to create if the request is accepted (nothing written yet)."""
+    return Session(
+        id=sid,
+        user_id=user,
         parent_id=parent.id if parent else None,
+        level=parent.level + 1 if parent else 0,
         agent=agent,
+        created_at=now,
+        last_seen=now,
         fingerprint=fingerprint,
         indexed=parent is None,  # a sub-agent's raw turns stay out of everyone else's search
+        name=name,
+    )
+
+
+def _create_chain(conn: Connection, planned: Session, now: float) -> Session:
+    """Create a session placed by its hash chain (its name is its id, ``s-<random>``)."""
+    sid = planned.id
+    while queries.get_session(conn, sid) is not None or named_session(conn, planned.user_id, sid):
+        sid = _chain_id()
+    return queries.get_or_create_session(
+        conn,
+        planned.user_id,
+        sid,
+        parent_id=planned.parent_id,
+        agent=planned.agent,
+        fingerprint=planned.fingerprint,
+        indexed=planned.indexed,
         now=now,
     )
 
 
-def check_parent(conn: Connection, user: str, parent_id: str, max_depth: int) -> Session:
-    """The parent session of a sub-agent request, or the 4xx that says why not."""
-    parent = queries.get_session(conn, parent_id)
-    if parent is None or parent.user_id != user:
+def check_parent(conn: Connection, user: str, parent_name: str, max_depth: int) -> Session:
+    """The parent session of a sub-agent request (a name of this user), or the 4xx that says
+    why not."""
+    name = client_name(parent_name)
+    parent = named_session(conn, user, name) if name is not None else None
+    if parent is None:
         raise ParentNotFound(
-            f"X-Engram-Parent names session {parent_id!r}, which does not exist for this user."
+            f"X-Engram-Parent names session {parent_name!r}, which does not exist for this user."
         )
     if parent.level + 1 > max_depth:
         raise NestingLimitExceeded(
             f"Sub-agent sessions nest at most {max_depth} deep (sessions.max_depth = "
-            f"{max_depth}); session {parent_id!r} is already at depth {parent.level}."
+            f"{max_depth}); session {parent_name!r} is already at depth {parent.level}."
         )
     return parent
 
@@ -88,58 +124,74 @@ class PlacementRequest:
     max_depth: int = 2
 
 
-def place(conn: Connection, req: PlacementRequest, create: bool, now: float) -> Placement | None:
-    """Find (and with ``create``, make) the session of a request. Runs in one transaction."""
+def place(conn: Connection, req: PlacementRequest, now: float) -> Placement:
+    """Find the session of a request, or plan a new one (``created``: made by the commit).
+    Only reads."""
     user, chains, anchor = req.user, req.chains, req.anchor
     parent = check_parent(conn, user, req.parent, req.max_depth) if req.parent else None
-    if req.explicit is not None:
-        sid = req.explicit
-        owner = queries.session_owner(conn, sid)
-        if owner is not None and owner != user:
-            sid = scoped_session_id(req.explicit, user, owner)
-            owner = queries.session_owner(conn, sid)
-        if owner is None:
-            if not create:
-                return None
-            session = _new_session(conn, user, sid, None, now, parent, req.agent)
-            return Placement(session, 0, True, True, 0)
-        found_session = queries.get_session(conn, sid)
-        assert found_session is not None
-        session = found_session
-        stored = set(queries.session_turn_hashes(conn, sid))
-        matched = 0
-        for h in chains:  # the longest stored prefix; chain hashes make prefixes unique
-            if h not in stored:
-                break
-            matched += 1
-        return Placement(session, matched, True, False, queries.next_position(conn, sid))
+    name = client_name(req.explicit)
+    if name is not None:
+        found = named_session(conn, user, name)
+        if found is None:
+            sid = free_session_id(conn, user, name)
+            planned = _planned(user, sid, name, None, now, parent, req.agent)
+            return Placement(planned, 0, True, True, 0)
+        if parent is None or found.parent_id == parent.id:
+            stored = set(queries.session_turn_hashes(conn, found.id))
+            matched = 0
+            for h in chains:  # the longest stored prefix; chain hashes make prefixes unique
+                if h not in stored:
+                    break
+                matched += 1
+            return Placement(found, matched, True, False, queries.next_position(conn, found.id))
+        # A sub-agent naming a session that is not its own child: placed by its messages.
 
-    found = (
+    found_chain = (
         queries.resolve_session(
             conn, user, list(chains), min_length=anchor, parent_id=parent.id if parent else None
         )
         if anchor is not None
         else None
     )
-    if found is not None:
-        session, matched = found
+    if found_chain is not None:
+        session, matched = found_chain
         last = queries.next_position(conn, session.id) - 1
         if last < matched:  # nothing stored past the match: the same conversation, continued
             return Placement(session, matched, False, False, matched)
         if matched == len(chains) and last == matched - 1:
             return Placement(session, matched, False, False, matched)
-        fork_from = session
+        log.debug("conversation forks from %s at message %d", session.id, matched)
     else:
-        fork_from = None
         matched = 0
-    if not create:
-        return None
     fingerprint = chains[anchor - 1] if anchor is not None and len(chains) >= anchor else None
-    sid = "s-" + uuid.uuid4().hex[:20]
-    session = _new_session(conn, user, sid, fingerprint, now, parent, req.agent)
-    if fork_from is not None:
-        log.debug("conversation forked from %s at message %d", fork_from.id, matched)
-    return Placement(session, matched, False, True, matched)
+    sid = _chain_id()
+    planned = _planned(user, sid, sid, fingerprint, now, parent, req.agent)
+    return Placement(planned, matched, False, True, matched)
+
+
+def _materialise(conn: Connection, placement: Placement, now: float) -> Session | None:
+    """The session a placement planned, created now (or the one a concurrent request created
+    under the same name meanwhile); None when its parent was deleted during the request."""
+    planned = placement.session
+    if planned.parent_id is not None and queries.get_session(conn, planned.parent_id) is None:
+        return None
+    if not placement.explicit:
+        return _create_chain(conn, planned, now)
+    session = create_named(
+        conn,
+        planned.user_id,
+        planned.name,
+        parent_id=planned.parent_id,
+        agent=planned.agent,
+        fingerprint=None,
+        indexed=planned.indexed,
+        now=now,
+        session_id=planned.id,
+    )
+    if planned.parent_id is not None and session.parent_id != planned.parent_id:
+        # Taken meanwhile by a session that is not this sub-agent's: it gets its own.
+        return _create_chain(conn, dataclasses.replace(planned, id=_chain_id()), now)
+    return session
 
 
 def commit_turns(
@@ -154,10 +206,15 @@ def commit_turns(
     of this conversation went another way meanwhile, so this row and the rest go to a new
     session forked there (as :func:`place` forks an edited conversation).
     """
-    session = queries.get_session(conn, placement.session.id)
-    if session is None:  # forgotten while the request ran: nothing to add it to
+    found = (
+        _materialise(conn, placement, now)
+        if placement.created
+        else queries.get_session(conn, placement.session.id)
+    )
+    if found is None:  # forgotten while the request ran: nothing to add it to
         log.info("session %s was deleted during the request; not archived", placement.session.id)
         return placement.session, []
+    session = found
     if placement.explicit:
         return session, _append(conn, session, rows, now)
     stored = queries.hashes_from(conn, session.id, min(r.position for r in rows))
@@ -167,16 +224,7 @@ def commit_turns(
         if held is None:
             fresh.append(row)
         elif held != row.identity():
-            parent = queries.get_session(conn, session.parent_id) if session.parent_id else None
-            fork = _new_session(
-                conn,
-                session.user_id,
-                "s-" + uuid.uuid4().hex[:20],
-                session.fingerprint,
-                now,
-                parent,
-                session.agent,
-            )
+            fork = _create_chain(conn, dataclasses.replace(session, id=_chain_id()), now)
             log.debug("concurrent requests diverged: forked %s at %d", session.id, row.position)
             inserted = _insert(conn, session, fresh, now)
             return fork, inserted + _insert(conn, fork, rows[i:], now)

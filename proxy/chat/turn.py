@@ -20,8 +20,8 @@ class Placement:
 
     session: Session
     matched: int  # leading messages of the request already stored in this session
-    explicit: bool
-    created: bool
+    explicit: bool  # named by the client (a name within its user)
+    created: bool  # a new session, planned: the archive's commit creates it
     next_position: int  # the position the first new message takes
 
 
@@ -52,6 +52,8 @@ class MemoryTurn:
     view: list[dict[str, Any]] | None = None
     slot_refs: list[str] = field(default_factory=list)  # slot ids the forwarded prompt holds
     query_vector: asyncio.Task[Any] | None = None  # the recall query's embedding, under way
+    request_id: str | None = None  # X-Engram-Request-Id, recorded for feedback once accepted
+    recorded: bool = False  # the request record is written (or under way)
 
 
 @dataclass

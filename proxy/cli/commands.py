@@ -31,6 +31,7 @@ from proxy.search.retrieval import Retriever
 from proxy.slots.redis import forget_redis_user
 from proxy.slots.store import offline_stats
 from proxy.store.counters import memory_counts
+from proxy.store.naming import sessions_named
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]
@@ -181,14 +182,17 @@ async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> 
         raise BadRequest("give a SESSION_ID (or --user U --all to delete a whole namespace)")
     if args.user:
         session = await api.owned_session(store, api.clean_user(args.user), args.session)
-    else:
-        found = await store.get_session(args.session)
-        if found is None:
+    else:  # a session id is a name within its user: it must name one user's session
+        found = await store.read(lambda c: sessions_named(c, args.session))
+        if len(found) > 1:
+            users = ", ".join(sorted(s.user_id for s in found))
+            return fail(f"users {users} each have a session {args.session!r}: give --user U")
+        if not found:
             return fail(f"no session {args.session!r}")
-        session = found
+        session = found[0]
     turns = await store.count_turns(session.id)
     await store.delete_session(session.id, user_id=session.user_id)
-    print(f"deleted session {session.id!r} of user {session.user_id!r} ({turns} turns)")
+    print(f"deleted session {session.name!r} of user {session.user_id!r} ({turns} turns)")
     return 0
 
 

@@ -1,16 +1,18 @@
 """Import conversations into memory: records of the JSON Lines format (:mod:`proxy.jsonl`),
 stored in batches. Used by ``engram import`` and the benchmarks.
 
-:func:`import_records` creates sessions per (user, session); positions continue after what a
-session already holds; texts are embedded a batch at a time, as the chat pipeline embeds them
-(``"<speaker or role>: <content>"``); a turn already stored in its session (same
-:func:`~proxy.store.models.message_hash`, counted with multiplicity) is skipped, so importing a
-file twice stores each turn once. Bad records are reported with their line, good ones kept.
+:func:`import_records` creates sessions per (user, session name: :mod:`proxy.store.naming`);
+positions continue after what a session already holds; texts are embedded a batch at a time,
+as the chat pipeline embeds them (``"<speaker or role>: <content>"``); a turn already stored in
+its session (same :func:`~proxy.store.models.message_hash`, counted with multiplicity) is
+skipped, so importing a file twice stores each turn once. Bad records are reported with their
+line, good ones kept.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -28,8 +30,18 @@ from proxy.jsonl import (
     parse_record,
 )
 from proxy.search.embedder import Embedder
+from proxy.store.db import Connection
 from proxy.store.items import next_item_position
-from proxy.store.models import NewTurn, StoreError, embed_text, message_hash, text_hash
+from proxy.store.models import (
+    NewTurn,
+    Session,
+    SessionNotFound,
+    StoreError,
+    embed_text,
+    message_hash,
+    text_hash,
+)
+from proxy.store.naming import create_named, named_session
 from proxy.store.store import Store
 from proxy.tokens import estimate
 from proxy.vectors import Vector
@@ -68,8 +80,30 @@ class ImportReport:
 Progress = Callable[[ImportReport], None]
 
 
+def _create(
+    conn: Connection, user: str, name: str, rec: SessionRecord | None, now: float
+) -> Session:
+    """The user's new session ``name`` (its parent, if any, a name of the same user)."""
+    parent = None
+    if rec is not None and rec.parent is not None:
+        parent = named_session(conn, user, rec.parent)
+        if parent is None:
+            raise SessionNotFound(f"parent session {rec.parent!r} does not exist")
+    return create_named(
+        conn,
+        user,
+        name,
+        parent_id=parent.id if parent is not None else None,
+        agent=rec.agent if rec else None,
+        fingerprint=None,
+        indexed=rec.indexed if rec else True,
+        now=now,
+    )
+
+
 @dataclass
 class _SessionState:
+    id: str  # the session's key (sessions.id)
     next_position: int
     stored: Counter[str]  # content hashes already in the session, not yet matched
     # Memory items (summaries, facts) take negative positions, as :mod:`proxy.background.items`
@@ -86,33 +120,29 @@ class _Importer:
     states: dict[tuple[str, str], _SessionState | str] = field(default_factory=dict)
     pending: list[tuple[TurnRecord, NewTurn]] = field(default_factory=list)
 
-    async def session(self, user: str, sid: str, rec: SessionRecord | None) -> _SessionState | str:
-        """The session's state, created if new; a string says why it cannot be used."""
-        key = (user, sid)
+    async def session(self, user: str, name: str, rec: SessionRecord | None) -> _SessionState | str:
+        """The state of the user's session ``name``, created if new; a string says why it
+        cannot be used."""
+        key = (user, name)
         known = self.states.get(key)
         if known is not None:
             return known
         state: _SessionState | str
-        found = await self.store.get_session(sid)
-        if found is not None and found.user_id != user:
-            state = f"session {sid!r} belongs to another user namespace"
-        elif found is not None:
+        found = await self.store.read(lambda c: named_session(c, user, name))
+        if found is not None:
+            sid = found.id
             hashes = await self.store.session_turn_hashes(sid)
             item = await self.store.read(lambda c: next_item_position(c, sid))
-            state = _SessionState(await self.store.next_position(sid), Counter(hashes), item)
+            nxt = await self.store.next_position(sid)
+            state = _SessionState(sid, nxt, Counter(hashes), item)
         else:
+            now = time.time()
             try:
-                await self.store.get_or_create_session(
-                    user,
-                    sid,
-                    parent_id=rec.parent if rec else None,
-                    agent=rec.agent if rec else None,
-                    indexed=rec.indexed if rec else True,
-                )
+                created = await self.store.write(lambda c: _create(c, user, name, rec, now))
             except StoreError as exc:
                 return str(exc)  # not cached: a later line may name an existing parent
             self.report.sessions += 1
-            state = _SessionState(0, Counter())
+            state = _SessionState(created.id, 0, Counter())
         self.states[key] = state
         return state
 
@@ -160,9 +190,11 @@ class _Importer:
         groups: dict[tuple[str, str], list[int]] = {}
         for i, (rec, _) in enumerate(pending):
             groups.setdefault((rec.user, rec.session), []).append(i)
-        for (user, sid), idx in groups.items():
+        for (user, name), idx in groups.items():
+            state = self.states[(user, name)]
+            assert isinstance(state, _SessionState)
             ids = await self.store.add_turns(
-                sid,
+                state.id,
                 user,
                 [pending[i][1] for i in idx],
                 [vectors[i] for i in idx] if vectors is not None else None,

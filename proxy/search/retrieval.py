@@ -23,10 +23,11 @@ from proxy.vectors import Vector
 MODES = ("hybrid", "fts", "vec")
 
 COMMON_WORDS_ABOVE = 20_000
-"""``[retrieval] fts_common_share`` applies once the database holds more turns than this.
-At 10k turns a whole search takes about 12 ms; and in a small archive the words nearly every row
-holds (one conversation's speaker names) still usefully order BM25's near-ties: with them left
-out, the LoCoMo prompt replay (one conversation per database) served 0.645 of its first two
+"""``[retrieval] fts_common_share`` applies once the user holds more turns than this (their own:
+another user's archive never takes a word out of this user's queries). At 10k turns a whole
+search takes about 12 ms; and in a small archive the words nearly every row holds (one
+conversation's speaker names) still usefully order BM25's near-ties: with them left out, the
+LoCoMo prompt replay (one conversation per database) served 0.645 of its first two
 conversations' questions instead of 0.719."""
 
 
@@ -82,7 +83,7 @@ class Retriever:
         )
 
         async def fts() -> list[int]:
-            match = match_of(await self._uncommon(words))
+            match = match_of(await self._uncommon(user_id, words))
             if match is None:
                 return []
             rows = await self.store.fts_search(
@@ -144,15 +145,18 @@ class Retriever:
 
         return asyncio.create_task(embed(), name="embed-query")
 
-    async def _uncommon(self, words: list[str]) -> list[str]:
-        """``words`` without those stored turns hold too often to be worth searching for
-        (``fts_common_share``); when every word is that common, the rarest one. Only once more
-        than ``COMMON_WORDS_ABOVE`` turns are stored: below, FTS5 is fast anyway, and in a small
-        archive the words every turn holds (the speakers' names) still order the matches."""
+    async def _uncommon(self, user_id: str, words: list[str]) -> list[str]:
+        """``words`` without those the user's turns hold too often to be worth searching for
+        (``fts_common_share`` of the user's turns, counted in the user's rows); when every word
+        is that common, the rarest one. Only once the user holds more than
+        ``COMMON_WORDS_ABOVE`` turns: below, FTS5 is fast anyway, and in a small archive the
+        words every turn holds (the speakers' names) still order the matches."""
         share = self.settings.fts_common_share
         if len(words) < 2 or share >= 1.0:
             return words
-        shares = await self.store.fts_word_shares(words, min_turns=COMMON_WORDS_ABOVE + 1)
+        shares = await self.store.fts_word_shares(
+            user_id, words, min_turns=COMMON_WORDS_ABOVE + 1, above=share
+        )
         kept = [w for w in words if shares.get(w, 0.0) <= share]
         return kept or [min(words, key=lambda w: shares.get(w, 0.0))]
 

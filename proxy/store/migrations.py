@@ -54,10 +54,17 @@ Conventions the schema fixes (migration 1):
   :func:`proxy.store.indexing.index_deferred` gives it its ``turns_fts`` row (and rewrites its
   neighbours' ``ctx``) in the background, as the trigger would have. Partial indexes find the
   turns still waiting for that (``turns_fts_pending``) or for a vector (``turns_unembedded``).
+- Migration 7 (sessions keyed by owner): ``sessions.name`` is the id the owner's client knows
+  the session by, unique per user (``sessions_name``: ``UNIQUE(user_id, name)``); ``sessions.id``
+  stays the global key every other table refers to, and is never looked up from what a client
+  sends (see :mod:`proxy.store.naming`). Existing sessions keep their id as their name, except
+  the ones an older Engram scoped for a user because another user held the name (``<name>~<first
+  8 hex of sha256(user)>``, owned by that user): they get back the name the client sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 
@@ -299,7 +306,27 @@ def _m006_deferred_index(conn: Connection) -> None:
     )
 
 
-def _m007_api_keys(conn: Connection) -> None:
+def _m007_session_names(conn: Connection) -> None:
+    """``sessions.name``: the owner's id for the session, unique per user (see the module)."""
+    _execute_script(
+        conn,
+        """
+        ALTER TABLE sessions ADD COLUMN name TEXT;
+        UPDATE sessions SET name = id;
+        """,
+    )
+    taken = {(str(u), str(n)) for u, n in conn.execute("SELECT user_id, name FROM sessions")}
+    rows = conn.execute("SELECT id, user_id FROM sessions WHERE id LIKE '%~%'").fetchall()
+    for sid, user in rows:
+        base, _, suffix = str(sid).rpartition("~")
+        mine = hashlib.sha256(str(user).encode()).hexdigest()[:8]
+        if base and suffix == mine and (str(user), base) not in taken:
+            conn.execute("UPDATE sessions SET name = ? WHERE id = ?", (base, sid))
+            taken.add((str(user), base))
+    _execute_script(conn, "CREATE UNIQUE INDEX sessions_name ON sessions(user_id, name);")
+
+
+def _m008_api_keys(conn: Connection) -> None:
     """Engram's own API keys (``auth.mode = "keys"``): a key names its user; only a hash of
     its secret part is kept. Not tied to ``users`` by a foreign key: a key may be made for a
     user before that user has any memory, and forgetting a user's memory keeps their key."""
@@ -329,7 +356,8 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (4, _m004_feedback),
     (5, _m005_slots),
     (6, _m006_deferred_index),
-    (7, _m007_api_keys),
+    (7, _m007_session_names),
+    (8, _m008_api_keys),
 )
 """(version, function), ascending. Append only."""
 

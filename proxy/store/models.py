@@ -142,6 +142,9 @@ class Session:
     fingerprint: str | None
     indexed: bool
     """Whether searches over all of the user's memory see this session's turns."""
+    name: str
+    """The id the owner's client knows it by (``X-Engram-Session``), unique per user; ``id`` is
+    the global key, the same as ``name`` unless another user held that id first."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,10 @@ def get_or_create_session(
     fingerprint: str | None,
     indexed: bool | None,
     now: float,
+    name: str | None = None,
 ) -> Session:
+    """The session with this id, created if new (``name`` defaults to the id). The id is the
+    global key: a client's id goes through :mod:`proxy.store.naming` instead."""
     ensure_user(conn, user_id, now)
     found = get_session(conn, session_id)
     if found is not None:
@@ -75,9 +78,25 @@ def get_or_create_session(
         level = parent.level + 1
     if indexed is None:
         indexed = parent_id is None  # a sub-agent's raw history stays out of general search
+    name = session_id if name is None else name
+    if conn.execute(
+        "SELECT 1 FROM sessions WHERE user_id = ? AND name = ?", (user_id, name)
+    ).fetchone():
+        raise SessionConflict(f"user {user_id!r} already has a session named {name!r}")
     conn.execute(
-        f"INSERT INTO sessions({SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (session_id, user_id, parent_id, level, agent, now, now, fingerprint, int(indexed)),
+        f"INSERT INTO sessions({SESSION_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            session_id,
+            user_id,
+            parent_id,
+            level,
+            agent,
+            now,
+            now,
+            fingerprint,
+            int(indexed),
+            name,
+        ),
     )
     created = get_session(conn, session_id)
     assert created is not None

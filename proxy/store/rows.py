@@ -13,7 +13,9 @@ from typing import Any
 
 from proxy.store.models import Session, Turn
 
-SESSION_COLS = "id, user_id, parent_id, level, agent, created_at, last_seen, fingerprint, indexed"
+SESSION_COLS = (
+    "id, user_id, parent_id, level, agent, created_at, last_seen, fingerprint, indexed, name"
+)
 TURN_COLS = (
     "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
     "timestamp, token_count, content_hash, incomplete"
@@ -33,6 +35,7 @@ def session_of(row: Sequence[Any]) -> Session:
         last_seen=row[6],
         fingerprint=row[7],
         indexed=bool(row[8]),
+        name=row[9] if row[9] is not None else row[0],
     )
 
 

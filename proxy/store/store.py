@@ -35,7 +35,7 @@ Public surface (all ``async`` except the constructor)::
     get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), exclude_roles=()) -> [(id, bm25)]
-    fts_word_shares(words, *, min_turns=0) -> {word: share of all turns holding it}
+    fts_word_shares(user_id, words, *, min_turns=0, above=0) -> {word: share of the user's turns}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
@@ -52,8 +52,6 @@ so they take no candidate places; ``exclude_roles`` does the same for turns of t
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -64,6 +62,7 @@ from typing import Any, TypeVar
 
 from proxy.store import indexing, queries, search
 from proxy.store.db import Connection, connect
+from proxy.store.export import export_items
 from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
 from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
@@ -104,6 +103,7 @@ class Store:
         self._reader_conns: list[Connection] = []
         self._conns_lock = threading.Lock()
         self._user_counts: dict[str, tuple[float, int]] = {}
+        self._words = search.UserWordCounts()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def open(self) -> None:
@@ -385,22 +385,29 @@ class Store:
         return await self.read(job)
 
     async def fts_word_shares(
-        self, words: Sequence[str], *, min_turns: int = 0
+        self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
     ) -> dict[str, float]:
-        """For each query word, the share of all stored turns (every user, as BM25 counts) whose
-        FTS5 row holds it; from the index's vocabulary, far cheaper than a search. Empty while
-        fewer than ``min_turns`` turns are stored (a recent count)."""
+        """For each query word, the share of ``user_id``'s turns whose FTS5 row holds it, as
+        far as known without waiting (:class:`proxy.store.search.UserWordCounts`: a word that
+        could pass ``above`` is counted in the user's rows in the background, and until then
+        gets a share no higher than ``above``). Empty while the user holds fewer than
+        ``min_turns`` turns."""
         words = list(dict.fromkeys(words))
         if not words:
             return {}
 
         def job(c: Connection) -> dict[str, float]:
-            total = self._user_turn_count(c, None)
-            if total < max(1, min_turns):
+            mine = self._user_turn_count(c, user_id)
+            if mine < max(1, min_turns):
                 return {}
-            return {w: n / total for w, n in search.term_rows(c, words).items()}
+            total = self._user_turn_count(c, None)
+            return self._words.shares(c, user_id, words, mine, total, above)
 
-        return await self.read(job)
+        shares = await self.read(job)
+        if self._words.pending() and self._reader_pool is not None:
+            self._words.running = True  # counted in the background: nothing waits for it
+            self._reader_pool.submit(lambda: self._words.run(self._local.conn))
+        return shares
 
     def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
         """A recent count of the user's turns, or (``None``) of all turns (reader thread; a
@@ -418,22 +425,9 @@ class Store:
         return count
 
     # -- export, stats, meta --------------------------------------------------------------
-    async def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:
+    def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:
         """Everything one user namespace holds, as JSON-ready dicts: sessions, then turns."""
-        for session in await self.read(lambda c: queries.session_rows(c, user_id)):
-            yield {"type": "session", **_asdict(session)}
-        after = 0
-        while True:
-            page = await self.read(
-                functools.partial(
-                    queries.user_turns_page, user_id=user_id, after_id=after, limit=page_size
-                )
-            )
-            for turn in page:
-                yield {"type": "turn", **_asdict(turn)}
-            if len(page) < page_size:
-                return
-            after = page[-1].id
+        return export_items(self.read, user_id, page_size)
 
     async def list_users(self) -> list[str]:
         return await self.read(queries.list_users)
@@ -452,7 +446,3 @@ class Store:
             return current == name
 
         return await self.write(job)
-
-
-def _asdict(row: Session | Turn) -> dict[str, Any]:
-    return dataclasses.asdict(row)

@@ -27,7 +27,8 @@ LINES = [
     '{"user": "bob", "session": "b1", "role": "user", "content": "My city is Lisbon"}',
     '{"user": "bob", "session": "b1", "role": "user", "content": "ok"}',
     '{"user": "bob", "session": "b1", "role": "user", "content": "ok"}',
-    '{"user": "bob", "session": "a1", "role": "user", "content": "not your session"}',
+    # A parent is a name of the same user: alice's a1 is not bob's.
+    '{"type": "session", "user": "bob", "session": "b2", "parent": "a1"}',
 ]
 
 
@@ -65,7 +66,7 @@ def test_import_reports_bad_lines_and_keeps_good_ones_once(
     out = capsys.readouterr()
     assert f"{src}:3: not valid JSON" in out.err
     assert f"{src}:4: role must be one of" in out.err
-    assert f"{src}:9: session 'a1' belongs to another user namespace" in out.err
+    assert f"{src}:9: parent session 'a1' does not exist" in out.err
     assert "imported 5 turns (5 with vectors) from 8 lines; 2 new sessions" in out.out
     assert "3 bad lines" in out.out
     data = stats(env, capsys)

@@ -50,7 +50,7 @@ async def test_word_shares_count_rows_as_fts5_matches_them(tmp_path: Path) -> No
         await store.get_or_create_session("u", "s")
         texts = ["I painted the fence", "painting is fun", "hello there", "hello again"]
         await store.add_turns("s", "u", [NewTurn(i, "user", t) for i, t in enumerate(texts)])
-        shares = await store.fts_word_shares(["painting", "zebra", "fence"])
+        shares = await store.fts_word_shares("u", ["painting", "zebra", "fence"], above=0)
         # porter: "painting" matches "painted" too; ctx carries each word to 2 neighbours each side
         assert shares["zebra"] == 0.0
         assert shares["painting"] == 1.0  # every row holds it, in its body or its ctx

@@ -81,6 +81,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "fingerprint",
         "indexed",
         "completed_at",
+        "name",
     ]
     assert _columns(conn, "turns") == [
         "id",

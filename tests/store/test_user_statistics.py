@@ -1,0 +1,74 @@
+"""Per-user ranking statistics (issue 12, row 12): the common-word cut-off
+(``retrieval.fts_common_share``) weighs a word by the user's own turns, so a user whose archive
+is small never loses words because another user's archive is huge."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from proxy.config import RetrievalSettings
+from proxy.search import retrieval
+from proxy.search.retrieval import Retriever
+from proxy.store import NewTurn, Store
+
+pytestmark = pytest.mark.asyncio
+
+
+async def one_turn_sessions(store: Store, user: str, texts: list[str]) -> None:
+    """One turn a session: no neighbours in ``ctx``, so shares are plain."""
+    for i, text in enumerate(texts):
+        await store.get_or_create_session(user, f"{user}-{i}")
+        await store.add_turns(f"{user}-{i}", user, [NewTurn(0, "user", text)])
+
+
+async def test_another_users_archive_takes_no_word_out_of_my_queries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(retrieval, "COMMON_WORDS_ABOVE", 3)
+    async with Store(tmp_path / "m.db") as store:
+        await one_turn_sessions(store, "big", [f"hello number {i}" for i in range(40)])
+        await one_turn_sessions(store, "tiny", ["hello there", "beagle walks", "cats", "dogs"])
+        r = Retriever(store, None, RetrievalSettings(fts_common_share=0.5))
+        # "hello" is in 41 of 44 rows, but in 1 of tiny's 4: tiny keeps it.
+        assert await r._uncommon("tiny", ["hello", "beagle"]) == ["hello", "beagle"]
+        hits = await r.search("tiny", "hello beagle", 10, mode="fts")
+        assert {h.turn.content for h in hits} == {"hello there", "beagle walks"}
+        # big holds "hello" in all of its rows, but others' rows leave that in doubt until its
+        # own rows are counted (in the background): until then the word is kept.
+        assert await r._uncommon("big", ["hello", "beagle"]) == ["hello", "beagle"]
+        await counted(store)
+        assert await r._uncommon("big", ["hello", "beagle"]) == ["beagle"]
+        await counted(store)
+        assert await r._uncommon("tiny", ["hello", "beagle"]) == ["hello", "beagle"]
+        assert (await store.fts_word_shares("tiny", ["hello"], above=0.5)) == {"hello": 0.25}
+        assert (await store.fts_word_shares("big", ["hello"], above=0.5)) == {"hello": 1.0}
+        # A user below the size where the cut-off applies keeps every word, whatever others hold.
+        await one_turn_sessions(store, "small", ["hello", "hello again", "beagle"])
+        assert await r._uncommon("small", ["hello", "beagle"]) == ["hello", "beagle"]
+
+
+async def test_alone_in_the_database_the_index_counts_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(retrieval, "COMMON_WORDS_ABOVE", 3)
+    async with Store(tmp_path / "m.db") as store:
+        await one_turn_sessions(store, "me", [f"hello number {i}" for i in range(9)] + ["beagle"])
+        r = Retriever(store, None, RetrievalSettings(fts_common_share=0.5))
+        assert await r._uncommon("me", ["hello", "beagle"]) == ["beagle"]  # at once
+        assert (await store.fts_word_shares("me", ["hello", "beagle"], above=0.5)) == {
+            "hello": 0.9,
+            "beagle": 0.1,
+        }
+
+
+async def counted(store: Store) -> None:
+    """Wait for the background count of users' common words."""
+    words = store._words
+    for _ in range(500):
+        if not words.running and not words.pending():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the word counts did not finish")
