@@ -558,7 +558,7 @@ class _Probe:
         original = Store.write
         probe = self
 
-        async def write(self: Store, fn: Callable[[Any], Any]) -> Any:
+        async def write(self: Store, fn: Callable[[Any], Any], *, transaction: bool = True) -> Any:
             ran: list[bool] = []
 
             def marked(conn: Any) -> Any:
@@ -570,7 +570,7 @@ class _Probe:
 
             t0 = time.perf_counter()
             try:
-                return await original(self, marked)
+                return await original(self, marked, transaction=transaction)
             finally:
                 if ran and ran[0]:
                     probe.note("Store.write (commit)", time.perf_counter() - t0)

@@ -37,6 +37,10 @@ class LRU(Generic[K, V]):
         while len(self._data) > self.capacity:
             self._data.popitem(last=False)
 
+    def pop(self, key: K) -> V | None:
+        """Remove ``key``; its value, or None."""
+        return self._data.pop(key, None)
+
     def __contains__(self, key: object) -> bool:
         return key in self._data
 

@@ -55,6 +55,7 @@ from proxy.services import SERVICES, MemoryParts
 from proxy.slots.refs import SLOT_ID
 from proxy.slots.store import SlotStore
 from proxy.store.counters import memory_counts
+from proxy.store.forget import forget_session
 from proxy.store.store import Store
 
 PREFIX = "/engram/api"
@@ -210,12 +211,25 @@ async def complete_handler(request: web.Request) -> web.Response:
 
 
 async def delete_handler(request: web.Request) -> web.Response:
-    store = _store(request)
-    user = request_user(request)
+    """Delete the session and all it produced now; its Redis slots and the scrub that makes the
+    bytes leave the files (:mod:`proxy.store.scrub`) follow in the background (drained at
+    shutdown)."""
+    parts = _parts(request)
+    store, user = parts.store, request_user(request)
     session = await owned_session(store, user, request.match_info["id"])
     turns = await store.count_turns(session.id)
-    if not await store.delete_session(session.id, user_id=user):
+    gone = await store.write(lambda c: forget_session(c, session.id, user))
+    if gone is None:
         raise NotFound(f"No session {session.name!r} for user {user!r}.", code="session_not_found")
+    for sid in gone.sessions:
+        parts.memory.last_requests.pop(sid)
+
+    async def afterwards() -> None:
+        if parts.slots is not None:
+            await parts.slots.forget_slots(gone.user_id, gone.sessions, gone.slot_ids)
+        await store.scrubber.scrub()
+
+    request.app[SERVICES].tasks.spawn(afterwards(), name="forget-scrub")
     return web.json_response({"id": session.name, "deleted": True, "turns": turns})
 
 

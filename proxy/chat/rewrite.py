@@ -200,7 +200,8 @@ class Rewriter:
             return mt.messages
         unique = list({c.slot.id: c.slot for c in found}.values())
         try:
-            stored = await self.slots.put_many(mt.identity.user, unique)
+            session = mt.placement.session.id if mt.placement is not None else None
+            stored = await self.slots.put_many(mt.identity.user, unique, session)
         except Exception:  # put_many never raises; if it did, the outputs go raw
             log.exception("storing tool-result slots failed; forwarding them raw")
             return mt.messages

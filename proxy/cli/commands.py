@@ -28,10 +28,11 @@ from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.redact import redact
 from proxy.search.embedder import Embedder, from_settings
 from proxy.search.retrieval import Retriever
-from proxy.slots.redis import forget_redis_user
+from proxy.slots.redis import forget_redis_slots, forget_redis_user
 from proxy.slots.store import offline_stats
 from proxy.store.counters import memory_counts
 from proxy.store.naming import sessions_named
+from proxy.store.forget import forget_session
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]
@@ -166,6 +167,7 @@ async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> 
             )
             return 2
         await store.delete_user(user)  # its embedded slots go with it (trigger)
+        await _scrub(store)
         print(f"deleted user {user!r}: {n} sessions, {turns} turns")
         if settings.slots.redis_url:
             gone = await forget_redis_user(settings.slots, user)
@@ -191,9 +193,35 @@ async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> 
             return fail(f"no session {args.session!r}")
         session = found[0]
     turns = await store.count_turns(session.id)
-    await store.delete_session(session.id, user_id=session.user_id)
-    print(f"deleted session {session.name!r} of user {session.user_id!r} ({turns} turns)")
+    done = await store.write(lambda c: forget_session(c, session.id, session.user_id))
+    if done is None:  # deleted meanwhile (a server on the same database)
+        return fail(f"no session {args.session!r}")
+    await _scrub(store)
+    subs = len(done.sessions) - 1
+    more = f", {subs} sub-session{'s' * (subs != 1)}" if subs else ""
+    print(f"deleted session {session.name!r} of user {session.user_id!r} ({turns} turns{more})")
+    slots = done.slot_ids
+    if not slots or not settings.slots.redis_url:
+        return 0
+    if await forget_redis_slots(settings.slots, done.user_id, slots) is None:
+        print(
+            f"engram: warning: Redis is unreachable; {len(slots)} tool-result slots of the "
+            "session expire there on their own (slots.ttl_seconds)",
+            file=sys.stderr,
+        )
     return 0
+
+
+async def _scrub(store: Store) -> None:
+    """Make the deleted rows' bytes leave the files (FTS merge, vacuum, checkpoint) before the
+    command exits."""
+    report = await store.scrubber.scrub()
+    if report is not None and not report.checkpointed:
+        print(
+            "engram: warning: the write-ahead log could not be emptied (another process is "
+            "reading); it is when that process next checkpoints or stops",
+            file=sys.stderr,
+        )
 
 
 def export(args: argparse.Namespace, path: Path) -> int:

@@ -12,6 +12,8 @@ import time
 from collections.abc import Sequence
 
 from proxy.slots.model import Slot
+from proxy.store.db import Connection
+from proxy.store.forget import purge_links
 from proxy.store.slots import (
     SlotRow,
     forget_slots,
@@ -50,9 +52,15 @@ class EmbeddedSlots:
         )
 
     async def purge(self) -> int:
-        """Delete the expired rows; how many."""
+        """Delete the expired rows (and the session links kept past their time); how many
+        slots."""
         now = time.time()
-        return await self.store.write(lambda c: purge_slots(c, now))
+
+        def job(c: Connection) -> int:
+            purge_links(c, now)
+            return purge_slots(c, now)
+
+        return await self.store.write(job)
 
     async def figures(self) -> tuple[int, int]:
         """(slots, bytes) not expired."""

@@ -5,8 +5,9 @@ tool, tokens, description, bytes, created), with a TTL reset to ``slots.ttl_seco
 is stored or read. Every command is bounded by ``slots.redis_timeout`` (socket timeouts, no
 client-side retries, and ``asyncio.wait_for`` around each round trip). What to do when Redis
 does not answer is :class:`proxy.slots.store.SlotStore`'s business: these methods raise.
-:func:`redis_figures_once` and :func:`forget_redis_user` use the configured Redis once, with a
-client of their own, for the command line (no server running); they answer None when it does not.
+:func:`redis_figures_once`, :func:`forget_redis_user` and :func:`forget_redis_slots` use the
+configured Redis once, with a client of their own, for the command line (no server running); they
+answer None when it does not.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from redis.asyncio import Redis
@@ -136,6 +137,16 @@ class RedisSlots:
             deleted += int(await self._bounded(self.client.unlink(*keys)))
         return deleted
 
+    async def delete(self, user: str, slot_ids: Sequence[str]) -> int:
+        """Delete ``user``'s slots ``slot_ids``; how many existed."""
+        deleted = 0
+        keys = [self.key(user, sid) for sid in slot_ids]
+        for start in range(0, len(keys), SCAN_BATCH):
+            deleted += int(
+                await self._bounded(self.client.unlink(*keys[start : start + SCAN_BATCH]))
+            )
+        return deleted
+
     async def aclose(self) -> None:
         await self.client.aclose()
 
@@ -170,11 +181,23 @@ async def redis_figures_once(settings: SlotsSettings) -> tuple[int, int] | None:
 
 async def forget_redis_user(settings: SlotsSettings, user: str) -> int | None:
     """Delete ``user``'s slots from the configured Redis; how many, None when unreachable."""
+    return await _once(settings, lambda redis: redis.forget(user))
+
+
+async def forget_redis_slots(
+    settings: SlotsSettings, user: str, slot_ids: Sequence[str]
+) -> int | None:
+    """Delete ``user``'s slots ``slot_ids`` from the configured Redis; how many, None when
+    unreachable (or not configured)."""
+    return await _once(settings, lambda redis: redis.delete(user, slot_ids))
+
+
+async def _once(settings: SlotsSettings, job: Callable[[RedisSlots], Awaitable[int]]) -> int | None:
     redis = open_redis(settings) if settings.redis_url else None
     if redis is None:
         return None
     try:
-        return await redis.forget(user)
+        return await job(redis)
     except Exception:
         return None
     finally:

@@ -27,6 +27,9 @@ confirmed on the current backend less than ``min(ttl/10, 60 s)`` ago is not stor
 cache is cleared whenever the backend switches (a Redis that comes back may have lost its data) and
 a slot that a ``get`` did not find leaves it.
 
+Forgetting: ``put_many(..., session)`` records that the session used the slots (:mod:`.links`); a
+session's delete takes the embedded rows only it used, then ``forget_slots`` their Redis keys.
+
 Counters (puts, hits, misses, errors per backend) are kept in memory and added to the ``counters``
 table (names ``slots_<backend>_<kind>``) every :data:`proxy.background.stats.FLUSH_EVERY` seconds
 and at :meth:`SlotStore.close`, so ``engram stats`` can show them without a server
@@ -48,6 +51,7 @@ from proxy.background.stats import FLUSH_EVERY
 from proxy.config import SlotsSettings
 from proxy.logs import event
 from proxy.slots.embedded import EmbeddedSlots
+from proxy.slots.links import SlotLinks
 from proxy.slots.model import Slot
 from proxy.slots.redis import RedisSlots, open_redis, redis_figures_once
 from proxy.store.counters import add_counters, counter_values
@@ -104,6 +108,7 @@ class SlotStore:
         self._flushed = zero_counts()
         self._retry: asyncio.Task[None] | None = None
         self._loops: list[asyncio.Task[None]] = []
+        self.links = SlotLinks(store, settings.ttl_seconds, self._confirm_window)
 
     @property
     def backend(self) -> str:
@@ -139,6 +144,7 @@ class SlotStore:
         for task in (self._retry, *self._loops):
             await stop(task)
         self._retry, self._loops = None, []
+        await self.links.drain()
         try:
             await self.flush_counters()
         except Exception:
@@ -155,14 +161,20 @@ class SlotStore:
 
     # -- storing and reading -----------------------------------------------------------------
 
-    async def put_many(self, user: str, slots: Sequence[Slot]) -> set[str]:
+    async def put_many(
+        self, user: str, slots: Sequence[Slot], session: str | None = None
+    ) -> set[str]:
         """Store (or refresh the TTL of) ``slots`` for ``user``; the ids now stored. An id not
-        returned could be stored nowhere: its output must be forwarded raw. Never raises."""
+        returned could be stored nowhere: its output must be forwarded raw. Never raises.
+        ``session``: the session whose prompt references them (deleting it deletes them)."""
         try:
-            return await self._put_many(user, {s.id: s for s in slots})
+            stored = await self._put_many(user, {s.id: s for s in slots})
         except Exception:
             log.exception("storing tool-result slots failed")
             return set()
+        if session is not None and stored:
+            self.links.record(user, session, stored)
+        return stored
 
     async def _put_many(self, user: str, slots: dict[str, Slot]) -> set[str]:
         now = time.monotonic()
@@ -247,6 +259,24 @@ class SlotStore:
             except Exception as exc:
                 self._redis_failed(exc)
         return deleted
+
+    async def forget_slots(
+        self, user: str, sessions: Sequence[str], slot_ids: Sequence[str]
+    ) -> int | None:
+        """After ``sessions`` were deleted (their embedded slots with them): delete ``slot_ids``
+        from Redis too, best effort; how many it held, None when Redis is not configured or did
+        not answer (a warning: those slots live until their TTL). Never raises."""
+        self.links.forget(sessions)
+        gone = {(user, sid) for sid in slot_ids}
+        self._confirmed = {k: v for k, v in self._confirmed.items() if k not in gone}
+        if self._redis is None or not slot_ids:
+            return None
+        try:
+            return await self._redis.delete(user, slot_ids)
+        except Exception as exc:
+            what = "a forgotten session's tool-result slots stay in Redis until their TTL"
+            event(log, logging.WARNING, what, slots=len(slot_ids), error=error_text(exc))
+            return None
 
     async def purge(self) -> int:
         """Delete the expired rows of the embedded table; how many."""

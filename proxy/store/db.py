@@ -8,8 +8,10 @@ speak DB-API 2 like ``sqlite3`` but raise their own exception classes: catch
 ``driver().Error`` / ``driver().OperationalError``, never ``sqlite3.Error``.
 
 Connections are opened in autocommit mode (``isolation_level=None``); callers write
-``BEGIN``/``COMMIT`` themselves. Each gets WAL, ``synchronous=NORMAL``, a busy timeout and
-``foreign_keys=ON``.
+``BEGIN``/``COMMIT`` themselves. Each gets WAL, ``synchronous=NORMAL``, a busy timeout,
+``foreign_keys=ON`` and ``secure_delete=ON``: deleted rows are overwritten with zeros in their pages
+(and freed pages zeroed), so a forgotten turn leaves no bytes behind once the write-ahead log is
+checkpointed (:mod:`proxy.store.scrub`). It costs some write I/O on deletes and updates only.
 
 :func:`database_info` reports the driver, SQLite version, FTS5 and sqlite-vec versions for
 ``engram doctor``.
@@ -145,6 +147,7 @@ def connect(
             conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA secure_delete = ON")
         conn.execute(f"PRAGMA mmap_size = {int(mmap_bytes)}")
         if readonly:
             conn.execute("PRAGMA query_only = ON")

@@ -60,6 +60,15 @@ Conventions the schema fixes (migration 1):
   sends (see :mod:`proxy.store.naming`). Existing sessions keep their id as their name, except
   the ones an older Engram scoped for a user because another user held the name (``<name>~<first
   8 hex of sha256(user)>``, owned by that user): they get back the name the client sent.
+- Migration 9 (forgetting that forgets, :mod:`proxy.store.forget`): the ``sessions_ad_items``
+  trigger deletes every memory item derived from a deleted session (``source_session``: a
+  sub-agent's hand-back in its parent, facts), replacing ``sessions_ad_facts`` (facts only);
+  ``slot_sessions`` records which sessions' prompts referenced which tool-result slot, so that
+  deleting a session deletes the slots no other session uses (rows expire with the slots; a
+  user's go with the user). Outside any transaction (``VACUUM`` cannot run in one),
+  :func:`migrate` also gives the database ``auto_vacuum = INCREMENTAL``
+  (:func:`proxy.store.scrub.ensure_incremental_vacuum`): set before the first table of a new
+  database, by a one-time ``VACUUM`` of an older one.
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from collections.abc import Callable
 
 from proxy.store.db import Connection, driver
 from proxy.store.fts_sql import fts_insert_trigger_sql, fts_triggers_sql
+from proxy.store.scrub import ensure_incremental_vacuum
 
 FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
 """FTS5 tokenizer of ``turns_fts`` in new databases."""
@@ -347,6 +357,37 @@ def _m008_api_keys(conn: Connection) -> None:
     )
 
 
+def _m009_forgetting(conn: Connection) -> None:
+    """Deleting a session deletes what was derived from it: memory items made from it anywhere
+    (a sub-agent's hand-back into its parent, facts) and the tool-result slots only it used."""
+    _execute_script(
+        conn,
+        """
+        DROP TRIGGER sessions_ad_facts;
+        -- Forgetting a session forgets every item distilled from it (hand-backs, facts).
+        CREATE TRIGGER sessions_ad_items AFTER DELETE ON sessions BEGIN
+            DELETE FROM turns WHERE source_session = old.id;
+        END;
+
+        -- Which session's prompt referenced which slot (no FK: a slot may be stored before its
+        -- session's first turn is archived). Kept until expires_at (refreshed on every store).
+        CREATE TABLE slot_sessions (
+            session_id TEXT NOT NULL,
+            slot_id    TEXT NOT NULL,
+            user_id    TEXT NOT NULL,
+            expires_at REAL NOT NULL,
+            PRIMARY KEY (session_id, slot_id)
+        ) WITHOUT ROWID;
+        CREATE INDEX slot_sessions_slot ON slot_sessions(user_id, slot_id);
+        CREATE INDEX slot_sessions_expires ON slot_sessions(expires_at);
+
+        CREATE TRIGGER users_ad_slot_sessions AFTER DELETE ON users BEGIN
+            DELETE FROM slot_sessions WHERE user_id = old.id;
+        END;
+        """,
+    )
+
+
 Migration = Callable[[Connection], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -358,6 +399,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (6, _m006_deferred_index),
     (7, _m007_session_names),
     (8, _m008_api_keys),
+    (9, _m009_forgetting),
 )
 """(version, function), ascending. Append only."""
 
@@ -388,7 +430,10 @@ def migrate(conn: Connection) -> list[int]:
 
     ``conn`` must be in autocommit mode (as :func:`proxy.store.db.connect` opens it).
     A database newer than this code raises ``RuntimeError`` rather than being touched.
+    Afterwards, an older database is vacuumed once for ``auto_vacuum = INCREMENTAL``.
     """
+    if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+        ensure_incremental_vacuum(conn)  # a new database: set before its first table
     _ensure_table(conn)
     done = set(applied_versions(conn))
     if done and max(done) > latest_version():
@@ -418,4 +463,5 @@ def migrate(conn: Connection) -> list[int]:
             conn.execute("ROLLBACK")
             raise
         applied.append(version)
+    ensure_incremental_vacuum(conn)
     return applied

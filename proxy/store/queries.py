@@ -159,15 +159,6 @@ def list_sessions(conn: Connection, user_id: str) -> list[Session]:
     return [session_of(r) for r in rows]
 
 
-def delete_session(conn: Connection, session_id: str, user_id: str | None) -> bool:
-    """Delete a session, its sub-sessions, their turns, FTS rows and vectors (by cascade)."""
-    sql, args = "DELETE FROM sessions WHERE id = ?", [session_id]
-    if user_id is not None:
-        sql += " AND user_id = ?"
-        args.append(user_id)
-    return conn.execute(sql, args).rowcount > 0
-
-
 def delete_user(conn: Connection, user_id: str) -> bool:
     """Delete a user namespace and everything it owns."""
     return conn.execute("DELETE FROM users WHERE id = ?", (user_id,)).rowcount > 0

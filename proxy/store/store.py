@@ -12,9 +12,8 @@ Public surface (all ``async`` except the constructor)::
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
           fts_weights=FTS_WEIGHTS)         bm25 weights of turns_fts (body, ctx, date)
     open() / close()  (or ``async with Store(...) as store``)
-    read(fn) / write(fn)        run fn(conn) on a reader / in a write transaction (callers
-                                pass the functions of proxy.store's table modules: feedback,
-                                summaries, slots, counters, items…)
+    read(fn) / write(fn, transaction=True)   run fn(conn) on a reader / in a write transaction
+                                (fns from proxy.store's table modules: feedback, slots, items…)
     ensure_user(user_id)
     get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
                           fingerprint=None, indexed=None) -> Session
@@ -22,9 +21,8 @@ Public surface (all ``async`` except the constructor)::
     resolve_session(user_id, chain_hashes, *, min_length=1) -> (Session, matched) | None
     set_session_indexed(session_id, indexed)
     list_sessions(user_id) -> list[Session]           most recently seen first
-    delete_session(session_id, *, user_id=None) -> bool   sub-sessions, turns, FTS rows and
-                                                          vectors go with it
-    delete_user(user_id) -> bool
+    delete_session(session_id, *, user_id=None) -> bool   with all it produced (store.forget)
+    delete_user(user_id) -> bool;  scrubber.scrub()       after deletes (store.scrub)
     add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns;
                                                           positions already stored are skipped
     set_vectors([(turn_id, vector, embed_hash)]) -> int
@@ -63,8 +61,10 @@ from typing import Any, TypeVar
 from proxy.store import indexing, queries, search
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
+from proxy.store.forget import forget_session
 from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
+from proxy.store.scrub import Scrubber
 from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
 from proxy.vectors import Vector
 
@@ -104,6 +104,7 @@ class Store:
         self._conns_lock = threading.Lock()
         self._user_counts: dict[str, tuple[float, int]] = {}
         self._words = search.UserWordCounts()
+        self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
     # -- lifecycle ------------------------------------------------------------------------
     async def open(self) -> None:
@@ -183,9 +184,10 @@ class Store:
 
         return await asyncio.get_running_loop().run_in_executor(pool, job)
 
-    async def write(self, fn: Callable[[Connection], T]) -> T:
-        """Run ``fn(conn)`` on the writer thread inside one ``BEGIN IMMEDIATE`` transaction;
-        once submitted it runs to completion even if the caller is cancelled."""
+    async def write(self, fn: Callable[[Connection], T], *, transaction: bool = True) -> T:
+        """Run ``fn(conn)`` on the writer thread inside one ``BEGIN IMMEDIATE`` transaction
+        (``transaction=False``: outside any, e.g. a checkpoint). Once submitted it runs to
+        completion even if the caller is cancelled."""
         writer = self._writer
         if writer is None:
             raise RuntimeError("store is not open")
@@ -193,6 +195,8 @@ class Store:
         def job() -> T:
             conn = self._write_conn
             assert conn is not None
+            if not transaction:
+                return fn(conn)
             conn.execute("BEGIN IMMEDIATE")
             try:
                 result = fn(conn)
@@ -258,8 +262,10 @@ class Store:
         return await self.read(lambda c: queries.list_sessions(c, user_id))
 
     async def delete_session(self, session_id: str, *, user_id: str | None = None) -> bool:
-        """Delete the session and its sub-sessions with all their turns; False if none matched."""
-        return await self.write(lambda c: queries.delete_session(c, session_id, user_id))
+        """Delete the session and all it produced (:func:`proxy.store.forget.forget_session`:
+        sub-sessions, turns, derived items, its slots); False if none matched. Then
+        ``await store.scrubber.scrub()`` makes the bytes leave the files."""
+        return await self.write(lambda c: forget_session(c, session_id, user_id)) is not None
 
     async def delete_user(self, user_id: str) -> bool:
         self._user_counts.pop(user_id, None)

@@ -105,8 +105,9 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "turns_ai",
         "turns_au",
         "turns_ad",
-        "sessions_ad_facts",
+        "sessions_ad_items",
         "users_ad_slots",
+        "users_ad_slot_sessions",
     }
     assert {"requests", "feedback", "consolidation_queue", "counters"} <= tables
     fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(requests)")}

@@ -1,0 +1,176 @@
+"""Scrubbing after deletes, so that forgotten text leaves the database files, not only its rows.
+
+With ``secure_delete`` (:func:`proxy.store.db.connect`) a deleted row is zeroed in its page, but
+three copies live on elsewhere until something rewrites them:
+
+- ``turns_fts`` is a contentless-delete FTS5 index: deleting a row only records a tombstone; the
+  row's tokens stay in the index segments until the segment is rewritten. :func:`fts_merge_step`
+  merges the segments into one, a page budget at a time (``'merge'`` with a negative budget:
+  every segment takes part, and a lone segment holding tombstones is rewritten too), each step its
+  own short write transaction, so chat writes queue behind one step, not behind a whole rewrite;
+  :func:`fts_optimize` then confirms the end state (a no-op once the merges are done).
+- Freed pages go to the freelist (zeroed); :func:`vacuum_step` (``auto_vacuum = INCREMENTAL``)
+  hands them back to the file system, a page budget at a time.
+- The write-ahead log holds older images of changed pages: :func:`checkpoint` (``TRUNCATE``)
+  copies what is current into the database and empties the log file.
+
+:class:`Scrubber` runs these steps through the store's writer (never on the event loop), one scrub
+at a time; deletes that ask while one runs share the next run. ``auto_vacuum`` can only be chosen
+before the first table exists, or by a ``VACUUM``: :func:`ensure_incremental_vacuum` does that for
+new databases (before the schema) and, once, for older ones (:func:`proxy.store.migrations.migrate`
+calls it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from proxy.store.db import Connection, driver
+
+T = TypeVar("T")
+
+log = logging.getLogger("engram.store")
+
+MERGE_PAGES = 200
+"""FTS5 pages written per merge step (about 40 ms of work at 100k turns; one transaction)."""
+VACUUM_PAGES = 2000
+"""Free pages handed back to the file system per incremental-vacuum step."""
+MAX_STEPS = 100_000
+"""Bound on the steps of one scrub phase (a safety net: each phase ends long before)."""
+CHECKPOINT_TRIES = 5
+CHECKPOINT_WAIT_S = 0.2
+
+AUTO_VACUUM_INCREMENTAL = 2
+
+
+def fts_merge_step(conn: Connection, pages: int = MERGE_PAGES) -> bool:
+    """One bounded FTS5 merge over every segment of ``turns_fts``; whether it did any work."""
+    before = conn.total_changes
+    conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('merge', ?)", (-abs(pages),))
+    # FTS5's own test: fewer than two changes means nothing was left to merge.
+    return conn.total_changes - before >= 2
+
+
+def fts_optimize(conn: Connection) -> None:
+    """Merge ``turns_fts`` into one segment without deleted entries (cheap when already so)."""
+    conn.execute("INSERT INTO turns_fts(turns_fts) VALUES ('optimize')")
+
+
+def free_pages(conn: Connection) -> int:
+    return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+
+
+def vacuum_step(conn: Connection, pages: int = VACUUM_PAGES) -> int:
+    """Hand up to ``pages`` free pages back to the file system (``auto_vacuum = INCREMENTAL``
+    only; otherwise nothing); how many free pages are left."""
+    if auto_vacuum_mode(conn) != AUTO_VACUUM_INCREMENTAL:
+        return 0
+    conn.execute(f"PRAGMA incremental_vacuum({int(pages)})").fetchall()
+    return free_pages(conn)
+
+
+def checkpoint(conn: Connection) -> bool:
+    """Copy the write-ahead log into the database and truncate it to zero bytes (outside any
+    transaction); False while a reader still needs the log (try again later)."""
+    busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    return int(busy) == 0
+
+
+def auto_vacuum_mode(conn: Connection) -> int:
+    """0 none, 1 full, 2 incremental."""
+    return int(conn.execute("PRAGMA auto_vacuum").fetchone()[0])
+
+
+def ensure_incremental_vacuum(conn: Connection) -> bool:
+    """Give the database ``auto_vacuum = INCREMENTAL`` (outside any transaction): at once for a
+    database without tables yet; by a one-time ``VACUUM`` (a full rewrite, which also clears the
+    leftovers of deletes made before ``secure_delete``) for an older one. Whether it vacuumed.
+    A ``VACUUM`` that cannot run now (another connection reading) is logged and tried again at
+    the next open."""
+    if auto_vacuum_mode(conn) == AUTO_VACUUM_INCREMENTAL:
+        return False
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    if auto_vacuum_mode(conn) == AUTO_VACUUM_INCREMENTAL:  # no table yet: set for good
+        return False
+    t0 = time.perf_counter()
+    try:
+        conn.execute("VACUUM")
+    except driver().OperationalError as exc:
+        log.warning("could not VACUUM the database to enable incremental vacuum: %s", exc)
+        return False
+    log.info("database vacuumed once for incremental vacuum in %.1f s", time.perf_counter() - t0)
+    return True
+
+
+class Writes(Protocol):
+    """What the scrubber needs of :class:`proxy.store.store.Store`."""
+
+    async def write(self, fn: Callable[[Connection], T], *, transaction: bool = ...) -> T: ...
+
+
+@dataclass(frozen=True)
+class ScrubReport:
+    """What one scrub did."""
+
+    merge_steps: int
+    free_pages_left: int
+    checkpointed: bool
+    seconds: float
+
+
+async def scrub(store: Writes) -> ScrubReport:
+    """Merge the FTS segments, vacuum the freed pages, checkpoint the log, step by step on the
+    store's writer (each step queues behind the writes already waiting)."""
+    t0 = time.perf_counter()
+    steps = 0
+    while steps < MAX_STEPS and await store.write(fts_merge_step):
+        steps += 1
+    await store.write(fts_optimize)
+    left, vacuumed = 0, 0
+    while vacuumed < MAX_STEPS:
+        left = await store.write(vacuum_step)
+        vacuumed += 1
+        if left == 0:
+            break
+    done = False
+    for attempt in range(CHECKPOINT_TRIES):
+        done = await store.write(checkpoint, transaction=False)
+        if done:
+            break
+        await asyncio.sleep(CHECKPOINT_WAIT_S * (attempt + 1))
+    if not done:
+        log.warning("the write-ahead log could not be emptied after a delete (readers busy)")
+    return ScrubReport(steps, left, done, time.perf_counter() - t0)
+
+
+class Scrubber:
+    """Runs :func:`scrub` after deletes, one at a time; callers that ask while one runs are
+    served by the next, shared run (a burst of deletes costs two scrubs, not one each)."""
+
+    def __init__(self, store: Writes) -> None:
+        self._store = store
+        self._lock = asyncio.Lock()
+        self._asked = 0
+        self._covered = 0
+        self.runs = 0
+        self.last: ScrubReport | None = None
+
+    async def scrub(self) -> ScrubReport | None:
+        """Scrub what was deleted before this call; None when a run that started after this
+        call already did."""
+        self._asked += 1
+        ticket = self._asked
+        async with self._lock:
+            if self._covered >= ticket:
+                return None
+            covers = self._asked
+            report = await scrub(self._store)
+            self._covered = covers
+            self.runs += 1
+            self.last = report
+            return report
