@@ -1,0 +1,154 @@
+"""Forgetting in the store (issue 12, row 8): what a session's delete takes with it, the slots
+only it used, the scrub after deletes, secure_delete, and the one-time VACUUM that gives older
+databases ``auto_vacuum = INCREMENTAL``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from proxy.store import NewTurn, Store, db, migrations
+from proxy.store.feedback import RecordedRequest, add_feedback, insert_request
+from proxy.store.forget import forget_session, link_slots, purge_links
+from proxy.store.items import insert_item
+from proxy.store.scrub import (
+    AUTO_VACUUM_INCREMENTAL,
+    Scrubber,
+    auto_vacuum_mode,
+    ensure_incremental_vacuum,
+    free_pages,
+)
+from proxy.store.slots import SlotRow, upsert_slots
+from proxy.store.summaries import Summary, get_summary, put_summary
+
+
+def count(conn: db.Connection, sql: str, *args: object) -> int:
+    return int(conn.execute(sql, args).fetchone()[0])
+
+
+@pytest.mark.asyncio
+async def test_forgetting_a_session_takes_everything_derived_from_it(tmp_path: Path) -> None:
+    async with Store(tmp_path / "m.db") as store:
+        for sid, parent in (("a", None), ("a-kid", "a"), ("b", None), ("facts~u", None)):
+            await store.get_or_create_session("u", sid, parent_id=parent)
+        for sid in ("a", "a-kid", "b"):
+            await store.add_turns(sid, "u", [NewTurn(0, "user", f"words of {sid}")])
+        now = time.time()
+
+        def setup(c: db.Connection) -> None:
+            # a hand-back of a-kid into a; facts from a (traceable) and from nowhere
+            insert_item(c, "a", "u", NewTurn(-1, "summary", "kid found it"), None, "a-kid")
+            insert_item(c, "facts~u", "u", NewTurn(-1, "fact", "from a"), None, "a")
+            insert_item(c, "facts~u", "u", NewTurn(-1, "fact", "from b"), None, "b")
+            insert_item(c, "facts~u", "u", NewTurn(-1, "fact", "untraced"), None, None)
+            put_summary(c, Summary("a", "summary of a", 1, 3, now), None)
+            request = RecordedRequest("r1", "u", "a-kid", None, "what the kid asked", [], now)
+            insert_request(c, request)
+            add_feedback(c, request, False, "api", "bad", now)
+            rows = [SlotRow(s, "read_file", f"output {s}", 1, "") for s in ("only-a", "shared")]
+            upsert_slots(c, "u", [*rows, SlotRow("only-b", "t", "x", 1, "")], now, 60)
+            link_slots(c, "u", "a-kid", ["only-a", "shared"], now + 60)
+            link_slots(c, "u", "b", ["shared", "only-b"], now + 60)
+
+        await store.write(setup)
+        gone = await store.write(lambda c: forget_session(c, "a", "someone-else"))
+        assert gone is None  # another user's session is not touched
+        gone = await store.write(lambda c: forget_session(c, "a", "u"))
+        assert gone is not None
+        assert gone.sessions == ("a", "a-kid") and gone.user_id == "u"
+        assert gone.turns == 3  # a's message and hand-back, the kid's message
+        assert gone.slot_ids == ("only-a",)  # "shared" is still b's
+
+        def left(c: db.Connection) -> dict[str, object]:
+            return {
+                "sessions": sorted(r[0] for r in c.execute("SELECT id FROM sessions")),
+                "facts": sorted(
+                    r[0] for r in c.execute("SELECT content FROM turns WHERE role = 'fact'")
+                ),
+                "items in a": count(c, "SELECT count(*) FROM turns WHERE source_session = 'a-kid'"),
+                "summary": get_summary(c, "a"),
+                "requests": count(c, "SELECT count(*) FROM requests"),
+                "feedback": count(c, "SELECT count(*) FROM feedback"),
+                "slots": sorted(r[0] for r in c.execute("SELECT id FROM slots")),
+                "links": sorted(c.execute("SELECT session_id, slot_id FROM slot_sessions")),
+                "vectors or fts of a": count(
+                    c,
+                    "SELECT count(*) FROM turns_fts WHERE turns_fts MATCH 'kid OR a'",
+                ),
+            }
+
+        assert await store.read(left) == {
+            "sessions": ["b", "facts~u"],
+            "facts": ["from b", "untraced"],
+            "items in a": 0,
+            "summary": None,
+            "requests": 0,
+            "feedback": 0,
+            "slots": ["only-b", "shared"],
+            "links": [("b", "only-b"), ("b", "shared")],
+            "vectors or fts of a": 0,
+        }
+        assert await store.delete_session("b") is True  # the Store's own path forgets the same
+        assert await store.read(lambda c: [r[0] for r in c.execute("SELECT id FROM slots")]) == []
+        assert await store.write(lambda c: purge_links(c, time.time())) == 0
+
+
+@pytest.mark.asyncio
+async def test_links_expire(tmp_path: Path) -> None:
+    async with Store(tmp_path / "m.db") as store:
+        await store.write(lambda c: link_slots(c, "u", "s", ["x", "y"], 100.0))
+        await store.write(lambda c: link_slots(c, "u", "s", ["x"], 50.0))  # never shortened
+        assert await store.write(lambda c: purge_links(c, 99.0)) == 0
+        assert await store.write(lambda c: purge_links(c, 100.0)) == 2
+
+
+@pytest.mark.asyncio
+async def test_connections_delete_securely_and_scrub_empties_the_log(tmp_path: Path) -> None:
+    async with Store(tmp_path / "m.db") as store:
+        assert await store.read(lambda c: c.execute("PRAGMA secure_delete").fetchone()[0]) == 1
+        assert await store.write(lambda c: c.execute("PRAGMA secure_delete").fetchone()[0]) == 1
+        assert await store.read(auto_vacuum_mode) == AUTO_VACUUM_INCREMENTAL  # a new database
+        await store.get_or_create_session("u", "s")
+        text = "lorem ipsum dolor " * 400
+        await store.add_turns("s", "u", [NewTurn(i, "user", f"{i} {text}") for i in range(300)])
+        size = (tmp_path / "m.db").stat().st_size + (tmp_path / "m.db-wal").stat().st_size
+        assert await store.delete_session("s")
+        assert await store.read(free_pages) > 0
+        report = await store.scrubber.scrub()
+        assert report is not None and report.checkpointed and report.free_pages_left == 0
+        assert (tmp_path / "m.db-wal").stat().st_size == 0
+        assert (tmp_path / "m.db").stat().st_size < size / 4  # the pages went back
+
+
+@pytest.mark.asyncio
+async def test_deletes_asking_while_a_scrub_runs_share_the_next_one(tmp_path: Path) -> None:
+    async with Store(tmp_path / "m.db") as store:
+        scrubber = Scrubber(store)
+        results = await asyncio.gather(*(scrubber.scrub() for _ in range(10)))
+        assert scrubber.runs <= 2 and sum(r is not None for r in results) == scrubber.runs
+        assert await scrubber.scrub() is not None  # a later delete gets a run of its own
+
+
+def test_an_older_database_is_vacuumed_once_for_incremental_vacuum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "v6.db"
+    c = db.connect(path)
+    try:
+        c.execute("PRAGMA auto_vacuum = NONE")  # as every database made before migration 7
+        with monkeypatch.context() as m:
+            m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[:6])
+            m.setattr(migrations, "ensure_incremental_vacuum", lambda conn: False)
+            assert migrations.migrate(c) == [1, 2, 3, 4, 5, 6]
+        assert auto_vacuum_mode(c) == 0
+        c.execute("INSERT INTO users(id, created_at) VALUES ('u', 0)")
+        assert migrations.migrate(c) == [7]
+        assert auto_vacuum_mode(c) == AUTO_VACUUM_INCREMENTAL
+        assert c.execute("SELECT id FROM users").fetchall() == [("u",)]
+        assert ensure_incremental_vacuum(c) is False  # once
+        assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    finally:
+        c.close()
