@@ -3,8 +3,8 @@
     GET    /engram/api/search?q=&user=&session=&k=&mode=hybrid|fts|vec
     GET    /engram/api/sessions                 the user's sessions, most recently seen first
     GET    /engram/api/sessions/{id}            one session and its turns
-    DELETE /engram/api/sessions/{id}            the session, its sub-sessions, turns, index rows
-                                                and vectors
+    DELETE /engram/api/sessions/{id}            the session and all it produced (store.forget);
+                                                the scrub follows in the background
     GET    /engram/api/export                   the user's memory as JSON Lines (importable)
     POST   /engram/api/sessions/{id}/complete   a sub-agent is done: hand its summary back
     POST   /engram/api/feedback                 {"request_id", "helpful", "note"}: flag a request

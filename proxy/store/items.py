@@ -9,7 +9,7 @@ import time
 
 from proxy.store import queries
 from proxy.store.db import Connection
-from proxy.store.models import NewTurn, Turn
+from proxy.store.models import NewTurn, SessionNotFound, Turn
 from proxy.vectors import Vector
 
 
@@ -31,7 +31,10 @@ def insert_item(
     source: str | None,
 ) -> int:
     """Store ``turn`` (and its vector) at the session's next item position, with ``source``
-    as its ``source_session``; returns its turn id."""
+    as its ``source_session``; returns its turn id. Raises :class:`SessionNotFound` when
+    ``source`` was deleted meanwhile (forgotten: nothing made from it may be stored)."""
+    if source is not None and queries.get_session(conn, source) is None:
+        raise SessionNotFound(f"session {source!r}, the item's source, no longer exists")
     positioned = dataclasses.replace(turn, position=next_item_position(conn, session_id))
     (turn_id,) = queries.add_turns(
         conn,

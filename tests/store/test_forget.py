@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.store import NewTurn, Store, db, migrations
+from proxy.store import NewTurn, SessionNotFound, Store, db, migrations
 from proxy.store.feedback import RecordedRequest, add_feedback, insert_request
 from proxy.store.forget import forget_session, link_slots, purge_links
 from proxy.store.items import insert_item
@@ -152,3 +152,17 @@ def test_an_older_database_is_vacuumed_once_for_incremental_vacuum(
         assert c.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     finally:
         c.close()
+
+
+@pytest.mark.asyncio
+async def test_nothing_made_from_a_forgotten_session_is_stored_afterwards(tmp_path: Path) -> None:
+    """A hand-back or fact still being made when its source session is forgotten."""
+    async with Store(tmp_path / "m.db") as store:
+        await store.get_or_create_session("u", "parent")
+        await store.get_or_create_session("u", "kid", parent_id="parent")
+        assert await store.delete_session("kid")
+        with pytest.raises(SessionNotFound):
+            await store.write(
+                lambda c: insert_item(c, "parent", "u", NewTurn(-1, "summary", "late"), None, "kid")
+            )
+        assert await store.session_turns("parent", from_position=-10) == []
