@@ -97,6 +97,13 @@ def ensure_incremental_vacuum(conn: Connection) -> bool:
     conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
     if auto_vacuum_mode(conn) == AUTO_VACUUM_INCREMENTAL:  # no table yet: set for good
         return False
+    pages, size = (
+        int(conn.execute(f"PRAGMA {p}").fetchone()[0]) for p in ("page_count", "page_size")
+    )
+    log.info(
+        "vacuuming the database once for incremental vacuum (%.0f MB; about a minute per GB)",
+        pages * size / 2**20,
+    )
     t0 = time.perf_counter()
     try:
         conn.execute("VACUUM")

@@ -78,12 +78,16 @@ def rows_holding(db: Path, text: str = TOKEN) -> list[str]:
 
 
 async def post(
-    http: aiohttp.ClientSession, e: Engram, session: str, messages: list[dict[str, Any]]
+    http: aiohttp.ClientSession,
+    e: Engram,
+    session: str,
+    messages: list[dict[str, Any]],
+    user: str = "alice",
 ) -> None:
     async with http.post(
         e.url + "/v1/chat/completions",
         json={"model": "m", "messages": messages},
-        headers={"X-Engram-User": "alice", "X-Engram-Session": session},
+        headers={"X-Engram-User": user, "X-Engram-Session": session},
     ) as r:
         assert r.status == 200, await r.text()
 
@@ -92,8 +96,8 @@ async def remember_everywhere(
     http: aiohttp.ClientSession, e: Engram, fake: FakeUpstream
 ) -> dict[str, Any]:
     """Store SENTENCE through the proxy in two sessions, so that it lands in turns, the FTS
-    index, vectors, request records, a slot and a summary; KEPT in a third."""
-    await post(http, e, "other", [{"role": "user", "content": KEPT}])  # echoed back
+    index, vectors, request records, a slot and a summary; KEPT in another user's."""
+    await post(http, e, "other", [{"role": "user", "content": KEPT}], "bob")  # echoed back
     fake.enqueue(*[JsonReply(chat_completion(SUMMARY)) for _ in range(40)])
     story = long_chat(40)
     story[5]["content"] = f"Question 2: {SENTENCE}. " + story[5]["content"]
@@ -131,9 +135,9 @@ async def remember_everywhere(
     assert all(before.values()), before
     # An aged database: far more that is kept than what is forgotten, all merged into one
     # full-text segment long ago (a segment mostly deleted would be rewritten by FTS5 itself).
-    await store.get_or_create_session("alice", "archive")
+    await store.get_or_create_session("bob", "archive")
     lines = [f"archived note {i} about gardens and {KEPT.split()[1]} trees" for i in range(3000)]
-    await store.add_turns("archive", "alice", [NewTurn(i, "user", t) for i, t in enumerate(lines)])
+    await store.add_turns("archive", "bob", [NewTurn(i, "user", t) for i, t in enumerate(lines)])
     await store.write(fts_optimize)
     blobs = await store.read(
         lambda c: [r[0] for r in c.execute("SELECT block FROM turns_fts_data")]
@@ -147,7 +151,7 @@ async def stop(e: Engram) -> None:
     await e.runner.cleanup()
 
 
-@pytest.mark.parametrize("how", ["api", "cli"])
+@pytest.mark.parametrize("how", ["api", "cli", "cli-user"])
 async def test_a_forgotten_sentence_leaves_no_byte_in_the_database_files(
     how: str, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -175,11 +179,15 @@ async def test_a_forgotten_sentence_leaves_no_byte_in_the_database_files(
                 await settle(e)  # the scrub that follows in the background
                 assert found(db, SENTENCE, FTS_PART) == []  # while running: the -wal too
                 await stop(e)
-            else:
+            elif how == "cli":
                 await stop(e)
                 for session in ("story", "agent"):
                     args = ["forget", session, "--db", str(db)]
                     assert await asyncio.to_thread(main, args) == 0
+            else:  # the whole user
+                await stop(e)
+                args = ["forget", "--user", "alice", "--all", "--yes", "--db", str(db)]
+                assert await asyncio.to_thread(main, args) == 0
         finally:
             await e.close()
     assert found(db, SENTENCE, FTS_PART, "Quillon Marveth", "quillon") == [], rows_holding(db)
