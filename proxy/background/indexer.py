@@ -45,6 +45,7 @@ class Indexer:
 
     async def _index(self, rows: Sequence[tuple[int, NewTurn]]) -> None:
         ids = [turn_id for turn_id, _ in rows]
+        await self.store.scrubber.fts_writable()  # not while a forget's scrub merges the index
         self.indexed += await self.store.write(lambda c: indexing.index_deferred(c, ids))
         items = [
             (turn_id, embed_text(r.role, r.speaker, r.content))
@@ -77,6 +78,7 @@ class Indexer:
         turns got either."""
         indexed = 0
         while ids := await self.store.read(lambda c: indexing.pending_index_ids(c, batch * 8)):
+            await self.store.scrubber.fts_writable()
             done = await self.store.write(lambda c: indexing.index_deferred(c, ids))
             if not done:
                 break  # nothing moved: never loop on the same ids

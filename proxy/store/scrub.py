@@ -4,11 +4,12 @@ With ``secure_delete`` (:func:`proxy.store.db.connect`) a deleted row is zeroed 
 three copies live on elsewhere until something rewrites them:
 
 - ``turns_fts`` is a contentless-delete FTS5 index: deleting a row only records a tombstone; the
-  row's tokens stay in the index segments until the segment is rewritten. :func:`fts_merge_step`
+  row's tokens stay in the index segments until the segment is rewritten. :func:`merge_fts`
   merges the segments into one, a page budget at a time (``'merge'`` with a negative budget:
   every segment takes part, and a lone segment holding tombstones is rewritten too), each step its
-  own short write transaction, so chat writes queue behind one step, not behind a whole rewrite;
-  :func:`fts_optimize` then confirms the end state (a no-op once the merges are done).
+  own short write transaction, so a chat turn's archive commit (which does not touch the index)
+  waits for one step, not for the whole rewrite; :func:`fts_optimize` then confirms the end
+  state (a no-op once the merges are done).
 - Freed pages go to the freelist (zeroed); :func:`vacuum_step` (``auto_vacuum = INCREMENTAL``)
   hands them back to the file system, a page budget at a time.
 - The write-ahead log holds older images of changed pages: :func:`checkpoint` (``TRUNCATE``)
@@ -41,19 +42,33 @@ MERGE_PAGES = 200
 VACUUM_PAGES = 2000
 """Free pages handed back to the file system per incremental-vacuum step."""
 MAX_STEPS = 100_000
-"""Bound on the steps of one scrub phase (a safety net: each phase ends long before)."""
+"""Bound on the incremental-vacuum steps of one scrub (a safety net: it ends long before)."""
+MAX_SEGMENTS = 500
+"""Past this many full-text segments the merge steps give way to one ``optimize``."""
 CHECKPOINT_TRIES = 5
 CHECKPOINT_WAIT_S = 0.2
 
 AUTO_VACUUM_INCREMENTAL = 2
 
 
-def fts_merge_step(conn: Connection, pages: int = MERGE_PAGES) -> bool:
-    """One bounded FTS5 merge over every segment of ``turns_fts``; whether it did any work."""
+def fts_merge_step(conn: Connection, pages: int | None = None) -> bool:
+    """One FTS5 merge of ``pages`` (:data:`MERGE_PAGES`) over every segment of ``turns_fts``;
+    whether it did any work."""
+    budget = abs(pages or MERGE_PAGES)
     before = conn.total_changes
-    conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('merge', ?)", (-abs(pages),))
+    conn.execute("INSERT INTO turns_fts(turns_fts, rank) VALUES ('merge', ?)", (-budget,))
     # FTS5's own test: fewer than two changes means nothing was left to merge.
     return conn.total_changes - before >= 2
+
+
+def fts_pages(conn: Connection) -> int:
+    """Rows (about pages) of the full-text index's data."""
+    return int(conn.execute("SELECT count(*) FROM turns_fts_data").fetchone()[0])
+
+
+def fts_segments(conn: Connection) -> int:
+    """Segments of the full-text index holding terms."""
+    return int(conn.execute("SELECT count(DISTINCT segid) FROM turns_fts_idx").fetchone()[0])
 
 
 def fts_optimize(conn: Connection) -> None:
@@ -122,22 +137,44 @@ class Writes(Protocol):
 
 @dataclass(frozen=True)
 class ScrubReport:
-    """What one scrub did."""
+    """What one scrub did: FTS merge steps, whether they had to end in one ``optimize``
+    transaction instead, free pages left, whether the log was emptied."""
 
     merge_steps: int
+    optimized_at_once: bool
     free_pages_left: int
     checkpointed: bool
     seconds: float
+
+
+async def merge_fts(store: Writes) -> tuple[int, bool]:
+    """Merge ``turns_fts`` into one segment without deleted entries, :data:`MERGE_PAGES` at a
+    time; (steps, whether it fell back to one ``optimize``).
+
+    A negative merge starts over whenever a new segment has appeared since the last step (FTS5
+    puts every segment on one level first), so the steps converge only while nothing else writes
+    to the index: :class:`Scrubber` holds the indexer meanwhile (:meth:`Scrubber.fts_writable`).
+    Should other writes still arrive (a hand-back, a fact, another process), the steps stop after
+    twice the pages the index holds, or once it has :data:`MAX_SEGMENTS` segments (FTS5 allows
+    2000), and one ``optimize`` finishes the job."""
+    pages = await store.write(fts_pages)
+    limit = 2 * (pages // MERGE_PAGES) + 10
+    steps = 0
+    while await store.write(fts_merge_step):
+        steps += 1
+        if steps >= limit or (steps % 10 == 0 and await store.write(fts_segments) > MAX_SEGMENTS):
+            log.info("FTS merge steps did not converge (other writes); optimizing at once")
+            await store.write(fts_optimize)
+            return steps, True
+    await store.write(fts_optimize)  # a no-op once the merges are done: the end state, checked
+    return steps, False
 
 
 async def scrub(store: Writes) -> ScrubReport:
     """Merge the FTS segments, vacuum the freed pages, checkpoint the log, step by step on the
     store's writer (each step queues behind the writes already waiting)."""
     t0 = time.perf_counter()
-    steps = 0
-    while steps < MAX_STEPS and await store.write(fts_merge_step):
-        steps += 1
-    await store.write(fts_optimize)
+    steps, at_once = await merge_fts(store)
     left, vacuumed = 0, 0
     while vacuumed < MAX_STEPS:
         left = await store.write(vacuum_step)
@@ -152,20 +189,27 @@ async def scrub(store: Writes) -> ScrubReport:
         await asyncio.sleep(CHECKPOINT_WAIT_S * (attempt + 1))
     if not done:
         log.warning("the write-ahead log could not be emptied after a delete (readers busy)")
-    return ScrubReport(steps, left, done, time.perf_counter() - t0)
+    return ScrubReport(steps, at_once, left, done, time.perf_counter() - t0)
 
 
 class Scrubber:
     """Runs :func:`scrub` after deletes, one at a time; callers that ask while one runs are
-    served by the next, shared run (a burst of deletes costs two scrubs, not one each)."""
+    served by the next, shared run (a burst of deletes costs two scrubs, not one each). While
+    one runs, :meth:`fts_writable` holds those who write to the full-text index (the indexer)."""
 
     def __init__(self, store: Writes) -> None:
         self._store = store
         self._lock = asyncio.Lock()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._asked = 0
         self._covered = 0
         self.runs = 0
         self.last: ScrubReport | None = None
+
+    async def fts_writable(self) -> None:
+        """Return once no scrub is merging the full-text index (at once, nearly always)."""
+        await self._idle.wait()
 
     async def scrub(self) -> ScrubReport | None:
         """Scrub what was deleted before this call; None when a run that started after this
@@ -176,7 +220,11 @@ class Scrubber:
             if self._covered >= ticket:
                 return None
             covers = self._asked
-            report = await scrub(self._store)
+            self._idle.clear()
+            try:
+                report = await scrub(self._store)
+            finally:
+                self._idle.set()
             self._covered = covers
             self.runs += 1
             self.last = report

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.store import NewTurn, SessionNotFound, Store, db, migrations
+from proxy.store import NewTurn, SessionNotFound, Store, db, indexing, migrations, queries
+from proxy.store import scrub as scrub_module
 from proxy.store.feedback import RecordedRequest, add_feedback, insert_request
 from proxy.store.forget import forget_session, link_slots, purge_links
 from proxy.store.items import insert_item
@@ -18,8 +19,11 @@ from proxy.store.scrub import (
     AUTO_VACUUM_INCREMENTAL,
     Scrubber,
     auto_vacuum_mode,
+    checkpoint,
     ensure_incremental_vacuum,
     free_pages,
+    fts_optimize,
+    fts_segments,
 )
 from proxy.store.slots import SlotRow, upsert_slots
 from proxy.store.summaries import Summary, get_summary, put_summary
@@ -166,3 +170,64 @@ async def test_nothing_made_from_a_forgotten_session_is_stored_afterwards(tmp_pa
                 lambda c: insert_item(c, "parent", "u", NewTurn(-1, "summary", "late"), None, "kid")
             )
         assert await store.session_turns("parent", from_position=-10) == []
+
+
+async def _aged_store_with_a_secret(path: Path) -> Store:
+    """A store whose full-text index is one segment of 3,000 turns, one of them secret."""
+    store = Store(path, readers=1)
+    await store.open()
+    await store.get_or_create_session("u", "big")
+    await store.get_or_create_session("u", "secret")
+    lines = [f"note {i} about w{i % 97} and w{i % 13}" for i in range(3000)]
+    await store.add_turns("big", "u", [NewTurn(i, "user", t) for i, t in enumerate(lines)])
+    await store.add_turns("secret", "u", [NewTurn(0, "user", "the zzqxvelmorant key")])
+    await store.write(fts_optimize)
+    return store
+
+
+async def _chat_while(store: Store, scrub: asyncio.Task[object], gated: bool) -> int:
+    """Archive a turn with a deferred FTS row every few ms and index it (as the indexer does,
+    waiting for the scrub's merge when ``gated``) until ``scrub`` ends; how many."""
+    n = 0
+    while not scrub.done():
+        done = await store.write(
+            lambda c, n=n: queries.insert_turns(
+                c, "big", "u", [NewTurn(5000 + n, "user", f"new {n}")], None, 0.0, fts_pending=True
+            )
+        )
+        if gated:
+            await store.scrubber.fts_writable()
+        await store.write(lambda c, ids=[i for i, _ in done]: indexing.index_deferred(c, ids))
+        n += 1
+        await asyncio.sleep(0.002)
+    return n
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("gated", [True, False])
+async def test_the_fts_merge_ends_however_much_is_written_beside_it(
+    tmp_path: Path, gated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FTS5 restarts a negative merge whenever a new segment appeared: with the indexer held
+    (gated) the steps converge; without, they give way to one optimize. Either way the scrub
+    ends, the index stays small, and the forgotten term leaves the file."""
+    store = await _aged_store_with_a_secret(tmp_path / "m.db")
+    monkeypatch.setattr(scrub_module, "MERGE_PAGES", 2)  # many small steps on a small index
+    try:
+        assert await store.delete_session("secret")
+        scrub = asyncio.create_task(store.scrubber.scrub())
+        writes = await _chat_while(store, scrub, gated)
+        report = await scrub
+        assert report is not None and writes > 0
+        assert report.optimized_at_once is not gated
+        assert await store.read(fts_segments) < 20
+        await store.write(checkpoint, transaction=False)
+        assert b"velmorant" not in (tmp_path / "m.db").read_bytes()
+        (found,) = await store.read(
+            lambda c: c.execute(
+                "SELECT count(*) FROM turns_fts WHERE turns_fts MATCH 'body : new'"
+            ).fetchone()
+        )
+        assert found == writes  # everything written beside it is indexed
+    finally:
+        await store.close()
