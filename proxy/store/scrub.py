@@ -116,7 +116,7 @@ def ensure_incremental_vacuum(conn: Connection) -> bool:
         int(conn.execute(f"PRAGMA {p}").fetchone()[0]) for p in ("page_count", "page_size")
     )
     log.info(
-        "vacuuming the database once for incremental vacuum (%.0f MB; about a minute per GB)",
+        "vacuuming the database once for incremental vacuum (%.0f MB; about 10 s per GB)",
         pages * size / 2**20,
     )
     t0 = time.perf_counter()
