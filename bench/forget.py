@@ -13,7 +13,7 @@ built through the Store and reused when --db names one that exists. On copies of
 (f) Forgetting one session and the scrub after it (FTS merge steps, incremental vacuum, WAL
     checkpoint); meanwhile a chat turn's writes every 20 ms, its archive commits timed against
     the same with no scrub running; and the same FTS rewrite as one ``optimize``.
-(v) The one-time ``VACUUM`` that gives a database made before migration 8
+(v) The one-time ``VACUUM`` that gives a database made before migration 9
     ``auto_vacuum = INCREMENTAL``.
 """
 
@@ -213,7 +213,7 @@ def part_v(base: Path, tmp: Path) -> dict[str, Any]:
     conn = connect(path)
     try:
         conn.execute("PRAGMA auto_vacuum = NONE")
-        conn.execute("VACUUM")  # as a database made before migration 8 (untimed)
+        conn.execute("VACUUM")  # as a database made before migration 9 (untimed)
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         size = path.stat().st_size
         t0 = time.perf_counter()

@@ -31,8 +31,8 @@ from proxy.search.retrieval import Retriever
 from proxy.slots.redis import forget_redis_slots, forget_redis_user
 from proxy.slots.store import offline_stats
 from proxy.store.counters import memory_counts
-from proxy.store.naming import sessions_named
 from proxy.store.forget import forget_session
+from proxy.store.naming import sessions_named
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]

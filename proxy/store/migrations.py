@@ -60,15 +60,10 @@ Conventions the schema fixes (migration 1):
   sends (see :mod:`proxy.store.naming`). Existing sessions keep their id as their name, except
   the ones an older Engram scoped for a user because another user held the name (``<name>~<first
   8 hex of sha256(user)>``, owned by that user): they get back the name the client sent.
-- Migration 9 (forgetting that forgets, :mod:`proxy.store.forget`): the ``sessions_ad_items``
-  trigger deletes every memory item derived from a deleted session (``source_session``: a
-  sub-agent's hand-back in its parent, facts), replacing ``sessions_ad_facts`` (facts only);
-  ``slot_sessions`` records which sessions' prompts referenced which tool-result slot, so that
-  deleting a session deletes the slots no other session uses (rows expire with the slots; a
-  user's go with the user). Outside any transaction (``VACUUM`` cannot run in one),
-  :func:`migrate` also gives the database ``auto_vacuum = INCREMENTAL``
-  (:func:`proxy.store.scrub.ensure_incremental_vacuum`): set before the first table of a new
-  database, by a one-time ``VACUUM`` of an older one.
+- Migration 9 (forgetting, :mod:`proxy.store.forget`): ``sessions_ad_items`` deletes every item
+  derived from a deleted session (hand-backs too, not only facts); ``slot_sessions`` links slots to
+  the sessions that used them. :func:`migrate` then sets ``auto_vacuum = INCREMENTAL``
+  (:func:`proxy.store.scrub.ensure_incremental_vacuum`; a one-time ``VACUUM`` for older files).
 """
 
 from __future__ import annotations
@@ -368,9 +363,7 @@ def _m009_forgetting(conn: Connection) -> None:
         CREATE TRIGGER sessions_ad_items AFTER DELETE ON sessions BEGIN
             DELETE FROM turns WHERE source_session = old.id;
         END;
-
-        -- Which session's prompt referenced which slot (no FK: a slot may be stored before its
-        -- session's first turn is archived). Kept until expires_at (refreshed on every store).
+        -- Which session used which slot (no FK: its session may not be stored yet).
         CREATE TABLE slot_sessions (
             session_id TEXT NOT NULL,
             slot_id    TEXT NOT NULL,
@@ -430,7 +423,6 @@ def migrate(conn: Connection) -> list[int]:
 
     ``conn`` must be in autocommit mode (as :func:`proxy.store.db.connect` opens it).
     A database newer than this code raises ``RuntimeError`` rather than being touched.
-    Afterwards, an older database is vacuumed once for ``auto_vacuum = INCREMENTAL``.
     """
     if conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
         ensure_incremental_vacuum(conn)  # a new database: set before its first table
@@ -463,5 +455,5 @@ def migrate(conn: Connection) -> list[int]:
             conn.execute("ROLLBACK")
             raise
         applied.append(version)
-    ensure_incremental_vacuum(conn)
+    ensure_incremental_vacuum(conn)  # an older database: vacuumed once
     return applied

@@ -28,7 +28,7 @@ from proxy.store.scrub import (
 from proxy.store.slots import SlotRow, upsert_slots
 from proxy.store.summaries import Summary, get_summary, put_summary
 
-FORGETTING = 8
+FORGETTING = 9
 """The migration that brings slot_sessions and sessions_ad_items."""
 
 
@@ -145,7 +145,7 @@ def test_an_older_database_is_vacuumed_once_for_incremental_vacuum(
     path = tmp_path / "v6.db"
     c = db.connect(path)
     try:
-        c.execute("PRAGMA auto_vacuum = NONE")  # as every database made before migration 8
+        c.execute("PRAGMA auto_vacuum = NONE")  # as every database made before migration 9
         older = [v for v, _ in migrations.MIGRATIONS if v < FORGETTING]
         with monkeypatch.context() as m:
             m.setattr(migrations, "MIGRATIONS", migrations.MIGRATIONS[: len(older)])
