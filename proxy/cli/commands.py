@@ -197,9 +197,7 @@ async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> 
     if done is None:  # deleted meanwhile (a server on the same database)
         return fail(f"no session {args.session!r}")
     await _scrub(store)
-    subs = len(done.sessions) - 1
-    more = f", {subs} sub-session{'s' * (subs != 1)}" if subs else ""
-    print(f"deleted session {session.name!r} of user {session.user_id!r} ({turns} turns{more})")
+    print(f"deleted session {session.name!r} of user {session.user_id!r} ({turns} turns)")
     slots = done.slot_ids
     if not slots or not settings.slots.redis_url:
         return 0
