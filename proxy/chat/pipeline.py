@@ -169,7 +169,10 @@ class ChatPipeline:
             log.exception("recording the request for feedback failed")
         if mt.placement is not None:
             turn.response_headers["X-Engram-Session"] = mt.placement.session.id
-        turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
+        note = f"; {mt.memory_note}" if mt.memory_note else ""  # e.g. "3; fts-only"
+        if mt.memory_note:  # fts_only, recall_timeout, too_many_messages: for /engram/metrics
+            self.counts[mt.memory_note.replace("-", "_")] += 1
+        turn.response_headers["X-Engram-Memories"] = f"{len(mt.injected)}{note}"
         if mt.assembly is not None:
             a = mt.assembly
             turn.response_headers["X-Engram-Prompt-Tokens"] = f"{a.tokens}/{a.original_tokens}"
