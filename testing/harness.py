@@ -48,12 +48,16 @@ class Engram:
 
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     """Engram on a free port with its own database in a temporary folder. Unless a test says
-    otherwise it uses the deterministic hash embedder (tests about memory use the real model)."""
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model) and a
+recall deadline of 5 s (``limits.recall_deadline``)."""
     tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {"url": upstream_url},
         "memory": {"db_path": f"{tmp.name}/engram.db"},
         "embedder": {"model": "hash"},
+        # Tests assert what recall finds, on machines shared with other work: a deadline that
+        # only a stalled search reaches (tests of the deadline set their own).
+        "limits": {"recall_deadline": 5.0},
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
