@@ -27,6 +27,10 @@ confirmed on the current backend less than ``min(ttl/10, 60 s)`` ago is not stor
 cache is cleared whenever the backend switches (a Redis that comes back may have lost its data) and
 a slot that a ``get`` did not find leaves it.
 
+Caps (``[limits]``, :mod:`proxy.slots.quota`): an output larger than ``max_slot_bytes``, or one
+that would take its user past ``max_slots_per_user`` / ``max_slot_bytes_per_user``, is left out of
+what ``put_many`` stored (so it is forwarded raw) and logged.
+
 Counters (puts, hits, misses, errors per backend) are kept in memory and added to the ``counters``
 table (names ``slots_<backend>_<kind>``) every :data:`proxy.background.stats.FLUSH_EVERY` seconds
 and at :meth:`SlotStore.close`, so ``engram stats`` can show them without a server
@@ -45,13 +49,15 @@ from typing import Any
 from redis.exceptions import DataError
 
 from proxy.background.stats import FLUSH_EVERY
-from proxy.config import SlotsSettings
+from proxy.config import LimitsSettings, SlotsSettings
 from proxy.logs import event
 from proxy.slots.embedded import EmbeddedSlots
 from proxy.slots.model import Slot
+from proxy.slots.quota import SlotQuota
 from proxy.slots.redis import RedisSlots, open_redis, redis_figures_once
 from proxy.store.counters import add_counters, counter_values
 from proxy.store.db import Connection
+from proxy.store.slots import user_slot_sizes
 from proxy.store.store import Store
 from proxy.tasks import every, stop
 
@@ -91,9 +97,12 @@ def error_text(exc: BaseException) -> str:
 class SlotStore:
     """Redis when configured, the embedded SQLite table otherwise or while Redis is down."""
 
-    def __init__(self, settings: SlotsSettings, store: Store) -> None:
+    def __init__(
+        self, settings: SlotsSettings, store: Store, limits: LimitsSettings | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
+        self.quota = SlotQuota(limits or LimitsSettings())
         self.embedded = EmbeddedSlots(store)
         self._redis: RedisSlots | None = None
         self._redis_up = False
@@ -168,13 +177,27 @@ class SlotStore:
         now = time.monotonic()
         done = {sid for sid in slots if self._is_confirmed(user, sid, now)}
         pending = [s for sid, s in slots.items() if sid not in done]
+        if pending and not self.quota.knows(user):
+            await self._seed_quota(user)
+        pending = self.quota.admit(user, pending)  # those past a cap go raw (logged)
         if not pending:
             return done
         backend = await self._store_somewhere(user, pending)
         if backend is None:
             return done
+        self.quota.record(user, pending, self.settings.ttl_seconds)
         self._confirm(user, (s.id for s in pending), backend, now)
         return done | {s.id for s in pending}
+
+    async def _seed_quota(self, user: str) -> None:
+        """Start the user's slot ledger from the embedded table (Redis is not scanned)."""
+        wall = time.time()
+        try:
+            rows = await self.store.read(lambda c: user_slot_sizes(c, user, wall))
+        except Exception:
+            log.exception("reading a user's slot sizes failed; counting from zero")
+            rows = []
+        self.quota.seed(user, rows)
 
     async def _store_somewhere(self, user: str, slots: Sequence[Slot]) -> str | None:
         """Put ``slots`` in Redis, else in the embedded table; the backend that took them."""
@@ -214,6 +237,7 @@ class SlotStore:
             self._count(self.backend, "misses")
         else:
             self._count(found[1], "hits")
+            self.quota.touch(user, slot_id, self.settings.ttl_seconds)
         return found
 
     async def _lookup(self, user: str, slot_id: str) -> tuple[Slot, str] | None:
@@ -239,6 +263,7 @@ class SlotStore:
         """Delete ``user``'s slots everywhere it can reach; how many. Raises when the embedded
         table cannot be changed; a Redis that is down keeps the keys until they expire."""
         self._confirmed = {k: v for k, v in self._confirmed.items() if k[0] != user}
+        self.quota.forget(user)
         deleted = await self.embedded.forget(user)
         redis = self._live_redis()
         if redis is not None:
