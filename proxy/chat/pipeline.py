@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.chat.api import ChatAPI
-from proxy.chat.memory import MemoryService
+from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
 from proxy.chat.openai_chat import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
@@ -194,6 +194,8 @@ class ChatPipeline:
             return
         if turn.expansions:
             return  # usage is summed over round trips: no count of this prompt alone
+        if turn.memory is not None and turn.memory.skipped == TOO_MANY_MESSAGES:
+            return  # a request over limits.max_messages costs nothing more than its forwarding
         tokens = self.memory.tokens
         estimated = await asyncio.to_thread(tokens.messages, messages)
         tokens.learn(turn.conv.model, estimated, reported)
