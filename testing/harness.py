@@ -48,8 +48,8 @@ class Engram:
 
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     """Engram on a free port with its own database in a temporary folder. Unless a test says
-    otherwise it uses the deterministic hash embedder (tests about memory use the real model) and a
-recall deadline of 5 s (``limits.recall_deadline``)."""
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model)
+    and a recall deadline of 5 s (``limits.recall_deadline``)."""
     tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {"url": upstream_url},
