@@ -1,4 +1,5 @@
-"""Time the embedder: model load, one query, and passages in batches.
+"""Time the embedder: model load, one query, passages in batches, and one query while the
+passages are being embedded (what ``limits.recall_deadline`` must allow for).
 
 .venv/bin/python -m bench.embedder [--model NAME_OR_DIR] [--threads N]
 """
@@ -49,12 +50,29 @@ async def main() -> None:
         )
         texts = sentences(args.passages)
         t0 = time.perf_counter()
-        await emb.embed_passages(texts)
+        batch = asyncio.create_task(emb.embed_passages(texts))
+        beside = []  # queries while the passages are embedded (their own lane since issue 12)
+        for i, text in enumerate(sentences(args.passages + 200)[args.passages :]):
+            await asyncio.sleep(0.05)
+            if batch.done() or i >= 200:
+                break
+            q0 = time.perf_counter()
+            await emb.embed_queries([f"query {i}: {text}"])
+            beside.append(time.perf_counter() - q0)
+        await batch
         took = time.perf_counter() - t0
         print(
             f"{len(texts)} passages in batches of {args.batch}: "
             f"{took * 1000 / len(texts):.2f} ms per passage"
         )
+        if beside:
+            beside.sort()
+            print(
+                f"one query beside them ({len(beside)}): p50 "
+                f"{statistics.median(beside) * 1000:.1f} ms, "
+                f"p95 {beside[int(len(beside) * 0.95)] * 1000:.1f} ms, "
+                f"max {beside[-1] * 1000:.1f} ms"
+            )
     finally:
         await emb.aclose()
 

@@ -339,7 +339,7 @@ async def _chat(http: aiohttp.ClientSession, url: str, mode: str, text: str) -> 
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"chat answered {resp.status}")
-        memories = int(resp.headers.get("X-Engram-Memories", "0"))
+        memories = int(resp.headers.get("X-Engram-Memories", "0").split(";")[0])
     return time.perf_counter() - t0, memories
 
 

@@ -802,7 +802,9 @@ async def replay(
                             raise RuntimeError(f"{resp.status}: {await resp.text()}")
                         await resp.read()
                         run.engram_header.append(resp.headers.get("X-Engram-Prompt-Tokens", ""))
-                        run.memories.append(int(resp.headers.get("X-Engram-Memories", "0")))
+                        run.memories.append(
+                            int(resp.headers.get("X-Engram-Memories", "0").split(";")[0])
+                        )
                         sid = resp.headers.get("X-Engram-Session", session)
                     await settle(engram, timeout=60)
                     sent = fake.chat_requests()[before:]

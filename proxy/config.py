@@ -444,6 +444,82 @@ class SlotsSettings:
 
 
 @dataclass(frozen=True)
+class LimitsSettings:
+    """[limits] — caps that keep one big request or one heavy user from slowing everyone else.
+    Each says what happens past it; the defaults suit one demanding user on a laptop, the
+    figure in brackets a server shared by many."""
+
+    max_messages: int = opt(
+        2000,
+        "Most messages a chat request may hold for memory to handle it. A longer one is "
+        "forwarded exactly as sent (not archived, no memories, no rewrite: as with "
+        "X-Engram-Memory: off), answered with X-Engram-Memories: 0; too-many-messages, and "
+        "logged once per user per 10 minutes. 0: no cap. (Shared server: 1000.)",
+        min=0,
+    )
+    max_message_bytes: int = opt(
+        262_144,
+        "Longest text of one message that is archived (UTF-8 bytes). A longer message is "
+        "stored cut there, with a note saying how much was left out; full-text search and "
+        "the embedding read what is stored. The request itself is forwarded whole. "
+        "(Shared server: 65536.)",
+        min=4096,
+    )
+    max_turns_per_user: int = opt(
+        1_000_000,
+        "Most turns one user's memory may hold. Past it new turns are not archived (the reply "
+        "still goes, memories are still recalled), logged once per user per 10 minutes; "
+        "forget old sessions or raise the cap. 0: no cap. (Shared server: 200000.)",
+        min=0,
+    )
+    max_slot_bytes: int = opt(
+        1_048_576,
+        "Largest tool output kept in a tool-result slot (UTF-8 bytes); a larger one is "
+        "forwarded raw, not slotted, and logged. (Shared server: 262144.)",
+        min=1024,
+    )
+    max_slots_per_user: int = opt(
+        10_000,
+        "Most live tool-result slots one user may hold; past it new outputs are forwarded "
+        "raw, not slotted, and logged. Counted by this server since it started (slots expire "
+        "after slots.ttl_seconds). 0: no cap. (Shared server: 2000.)",
+        min=0,
+    )
+    max_slot_bytes_per_user: int = opt(
+        268_435_456,
+        "Most bytes of live tool-result slots one user may hold; past it new outputs are "
+        "forwarded raw, not slotted, and logged. 0: no cap. (Shared server: 33554432.)",
+        min=0,
+    )
+    index_queue_turns: int = opt(
+        4096,
+        "Archived turns that may wait in memory for full-text indexing and their vector. "
+        "Turns beyond it are deferred: stored and durable at once, indexed from the database "
+        "once the queue has drained. The client's reply and recall never wait for indexing. "
+        "(Shared server: 8192.)",
+        min=1,
+    )
+    recall_deadline: float = opt(
+        0.5,
+        "Seconds recall may take before the request is forwarded without it: when the query's "
+        "embedding is not ready by then the memories come from full-text search alone "
+        "(X-Engram-Memories: N; fts-only), and when even that is not ready, none are injected "
+        "(0; recall-timeout). A query embedding takes about 13 ms alone and 40 ms (p95) beside "
+        "an archive batch on a busy 2-core machine; 0.5 s is reached only when the machine is "
+        "stalled, where memories matter more than the wait. 0: no deadline. "
+        "(Shared server: 0.15.)",
+        min=0,
+    )
+    last_prompts_bytes: int = opt(
+        33_554_432,
+        "Bytes of recently forwarded prompts kept in memory for the inspector's last-request "
+        "view (/engram/api/sessions/{id}/requests/last); the oldest are dropped first. "
+        "0 keeps none. (Shared server: 67108864.)",
+        min=0,
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
@@ -459,6 +535,7 @@ class Settings:
     feedback: FeedbackSettings = field(default_factory=FeedbackSettings)
     consolidation: ConsolidationSettings = field(default_factory=ConsolidationSettings)
     slots: SlotsSettings = field(default_factory=SlotsSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
 
     def __post_init__(self) -> None:
         problem = _cross_check(self)

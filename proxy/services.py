@@ -206,12 +206,12 @@ async def _open_memory(
     consolidator = Consolidator(settings, store, embedder, summarizer, feedback)
     counters = Counters(store, summarizer, consolidator)
     await counters.load()
-    slots = SlotStore(settings.slots, store) if settings.slots.enabled else None
+    slots = SlotStore(settings.slots, store, settings.limits) if settings.slots.enabled else None
     if slots is not None:
         await slots.start()
         closing("closing the slot store", slots.close)
     closing("saving the token counters", counters.flush)
-    indexer = Indexer(store, embedder, tasks)
+    indexer = Indexer(store, embedder, tasks, settings.limits.index_queue_turns)
     memory = MemoryService(
         settings,
         store,

@@ -48,8 +48,9 @@ class Engram:
 
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     """Engram on a free port with its own database in a temporary folder. Unless a test says
-    otherwise it uses the deterministic hash embedder (tests about memory use the real model),
-    and loopback clients may use the admin API without the token (``auth.loopback_admin``)."""
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model), a
+    recall deadline of 5 s (``limits.recall_deadline``), and loopback clients may use the admin
+    API without the token (``auth.loopback_admin``)."""
     tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
     overrides: dict[str, dict[str, Any]] = {
         "upstream": {"url": upstream_url},
@@ -58,6 +59,9 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
         # Tests of other things reach the admin API from loopback without the token; the
         # tests of access control set this back to False (the default).
         "auth": {"loopback_admin": True},
+        # Tests assert what recall finds, on machines shared with other work: a deadline that
+        # only a stalled search reaches (tests of the deadline set their own).
+        "limits": {"recall_deadline": 5.0},
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)

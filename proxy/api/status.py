@@ -57,6 +57,9 @@ async def metrics(request: web.Request) -> web.Response:
         "memories_injected",
         "memory_failures",
         "archive_failures",
+        "fts_only",  # limits.recall_deadline: the query vector came too late
+        "recall_timeout",  # … and full-text search too
+        "too_many_messages",  # limits.max_messages
     ):
         values[f"engram_{name}_total"] = pipeline.counts[name]
     memory = pipeline.memory
@@ -64,6 +67,9 @@ async def metrics(request: web.Request) -> web.Response:
         values["engram_turns_archived_total"] = memory.archived_turns
         indexer = memory.indexer
         values["engram_embed_failures_total"] = indexer.failures if indexer else 0
+        values["engram_index_queue_turns"] = indexer.queued if indexer else 0
+        values["engram_index_deferred_total"] = indexer.deferred if indexer else 0
+        values["engram_turns_over_cap_total"] = memory.quota.refused
         if services.counters is not None:
             for name, value in services.counters.current().items():
                 values[f"engram_{name}_total"] = value
@@ -76,6 +82,8 @@ async def metrics(request: web.Request) -> web.Response:
         slots = expander.slots
         if slots.settings.redis_url:
             values["engram_slots_redis_up"] = float(slots.backend == "redis")
+        for cap, refused in slots.quota.refused.items():
+            values[f'engram_slots_refused_total{{cap="{cap}"}}'] = refused
         for backend, counts in slots.counters().items():
             for name, value in counts.items():
                 values[f'engram_slots_{name}_total{{backend="{backend}"}}'] = value

@@ -4,7 +4,9 @@ of the reply, written in one transaction once the reply is whole, before the cli
 Only the rows are written there (``fts_pending``; about a third of a millisecond): the next
 request of the conversation, however fast it follows, finds them, and a turn the client received
 survives a crash of Engram. Full-text rows and vectors follow in the background
-(:mod:`proxy.background.indexer`). Secrets are redacted before anything is written.
+(:mod:`proxy.background.indexer`). Secrets are redacted before anything is written. A message
+longer than ``limits.max_message_bytes`` is stored cut there, with a note; a user over
+``limits.max_turns_per_user`` gets no new turns (:mod:`proxy.chat.quota`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from proxy.background.indexer import Indexer
+from proxy.chat.quota import TurnQuota
 from proxy.chat.sessions import commit_turns
 from proxy.chat.turn import MemoryTurn
+from proxy.limits import cut_text
 from proxy.logs import event
 from proxy.messages import content_text, extend_chain, without_lone_surrogates
 from proxy.redact import redact
@@ -40,16 +44,18 @@ def to_new_turns(
     now: float,
     *,
     incomplete: bool = False,
+    max_bytes: int = 0,
 ) -> list[NewTurn]:
-    """Archive rows for ``messages`` (already known new), positions from ``first``."""
+    """Archive rows for ``messages`` (already known new), positions from ``first``; a text
+    longer than ``max_bytes`` (UTF-8; 0: any length) is stored cut, with a note."""
     out: list[NewTurn] = []
     for i, (msg, chain) in enumerate(zip(messages, chains, strict=True)):
-        text = content_text(msg.get("content"))
+        text = cut_text(
+            content_text(msg.get("content")), max_bytes, redact if redact_secrets else None
+        )
         calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
-        if redact_secrets:
-            text = redact(text)
-            if calls:
-                calls = [_redact_call(c) for c in calls]
+        if redact_secrets and calls:
+            calls = [_redact_call(c) for c in calls]
         name = msg.get("name") if isinstance(msg.get("name"), str) else None
         call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
         role = str(msg.get("role"))
@@ -83,10 +89,19 @@ def _redact_call(call: Any) -> Any:
 class Archive:
     """Writes turns (once per request) and hands them to the indexer."""
 
-    def __init__(self, store: Store, indexer: Indexer | None, redact_secrets: bool) -> None:
+    def __init__(
+        self,
+        store: Store,
+        indexer: Indexer | None,
+        redact_secrets: bool,
+        max_bytes: int = 0,
+        quota: TurnQuota | None = None,
+    ) -> None:
         self.store = store
         self.indexer = indexer
         self.redact_secrets = redact_secrets
+        self.max_bytes = max_bytes  # limits.max_message_bytes
+        self.quota = quota  # limits.max_turns_per_user
         self.archived_turns = 0
 
     async def request_rows(self, mt: MemoryTurn, now: float) -> list[NewTurn]:
@@ -103,6 +118,7 @@ class Archive:
                 placement.next_position,
                 self.redact_secrets,
                 now,
+                max_bytes=self.max_bytes,
             )
 
         chars = sum(len(content_text(m.get("content"))) for m in new)
@@ -130,16 +146,27 @@ class Archive:
                 chain = extend_chain(prev, reply)
                 redact = self.redact_secrets
                 return to_new_turns(
-                    [reply], [chain], position, redact, now, incomplete=not complete
+                    [reply],
+                    [chain],
+                    position,
+                    redact,
+                    now,
+                    incomplete=not complete,
+                    max_bytes=self.max_bytes,
                 )
 
             # A long reply is redacted on a thread: the client is waiting for its last byte.
             rows += await asyncio.to_thread(make) if len(text) > THREAD_CHARS else make()
+        user = placement.session.user_id
+        if rows and self.quota is not None and not await self.quota.allows(user, len(rows)):
+            return True  # over the user's turn cap (logged): the reply goes, unarchived
         if rows:
             session, inserted = await self.store.write(
                 lambda c: commit_turns(c, placement, rows, now)
             )
             self.archived_turns += len(inserted)
+            if self.quota is not None:
+                self.quota.add(user, len(inserted))
             if session.id != placement.session.id:
                 mt.placement = dataclasses.replace(placement, session=session)
             event(log, logging.DEBUG, "archived", session=session.id, turns=len(inserted))

@@ -13,6 +13,7 @@ A failure here degrades memory, never the request (the pipeline forwards unchang
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -23,17 +24,20 @@ from proxy.background.feedback import Feedback
 from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
 from proxy.background.summarizer import Summarizer
-from proxy.cache import LRU
+from proxy.cache import SizedLRU
 from proxy.chat.api import Conversation
 from proxy.chat.archive import Archive
 from proxy.chat.identity import Identity, identify, is_housekeeping
 from proxy.chat.prompt import Assembly
+from proxy.chat.quota import TurnQuota
 from proxy.chat.recall import Recall
 from proxy.chat.rewrite import Rewriter
 from proxy.chat.sessions import PlacementRequest, place
 from proxy.chat.turn import MemoryTurn
 from proxy.config import Settings
 from proxy.errors import BadRequest
+from proxy.limits import Throttle
+from proxy.logs import event
 from proxy.messages import anchor_length, chain_hashes, last_user_text
 from proxy.search.embedder import Embedder
 from proxy.search.retrieval import Retriever
@@ -41,6 +45,12 @@ from proxy.slots.store import SlotStore
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
 from proxy.tokens import TokenCounter
+
+log = logging.getLogger("engram.memory")
+
+TOO_MANY_MESSAGES = "too-many-messages"
+# Requests with more messages than this have their chain hashes computed on a thread.
+THREAD_MESSAGES = 500
 
 
 class MemoryService:
@@ -75,7 +85,12 @@ class MemoryService:
         self.rewriter = Rewriter(
             settings, store, self.tokens, self.recall, context_size, summarizer, slots
         )
-        self.archive = Archive(store, indexer, settings.memory.redact_secrets)
+        limits = settings.limits
+        self.quota = TurnQuota(store, limits.max_turns_per_user)
+        self.archive = Archive(
+            store, indexer, settings.memory.redact_secrets, limits.max_message_bytes, self.quota
+        )
+        self._throttle = Throttle()
         extra = settings.memory.housekeeping_patterns
         self._housekeeping = (
             re.compile("|".join(f"(?:{p})" for p in extra), re.I) if extra else None
@@ -86,7 +101,7 @@ class MemoryService:
         return self.archive.archived_turns
 
     @property
-    def last_requests(self) -> LRU[str, tuple[float, Assembly]]:
+    def last_requests(self) -> SizedLRU[str, tuple[float, Assembly]]:
         """Session id -> (when, assembly) of its last forwarded prompt."""
         return self.rewriter.last_requests
 
@@ -107,6 +122,21 @@ class MemoryService:
                 "A trusted front-end (auth.trusted_proxy_secret) must name the user: send "
                 "X-OpenWebUI-User-Id or X-Engram-User.",
                 code="user_required",
+            )
+        cap = self.settings.limits.max_messages
+        if cap and len(messages) > cap:  # forwarded as sent, memory left out (limits.max_messages)
+            if self._throttle.due("max_messages", ident.user):
+                event(
+                    log,
+                    logging.WARNING,
+                    "request over limits.max_messages: forwarded as sent, not archived, "
+                    "no memories",
+                    user=ident.user,
+                    messages=len(messages),
+                    cap=cap,
+                )
+            return MemoryTurn(
+                ident, messages, [], skipped=TOO_MANY_MESSAGES, memory_note=TOO_MANY_MESSAGES
             )
         housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")
@@ -132,12 +162,19 @@ class MemoryService:
         recall: bool,
         query: asyncio.Task[Any] | None,
     ) -> MemoryTurn:
-        mt = MemoryTurn(ident, messages, chain_hashes(messages), query_vector=query)
+        chains = (
+            await asyncio.to_thread(chain_hashes, messages)
+            if len(messages) > THREAD_MESSAGES
+            else chain_hashes(messages)
+        )
+        mt = MemoryTurn(ident, messages, chains, query_vector=query)
         mt.model = conv.model
         if housekeeping:
             mt.skipped = "housekeeping"
             return mt
         now = time.time()
+        if write:
+            self.quota.prefetch(ident.user)
         anchor = anchor_length(messages)
         req = PlacementRequest(
             ident.user,

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from proxy.auth import ANONYMOUS, PRINCIPAL
 from proxy.chat.api import ChatAPI
-from proxy.chat.memory import MemoryService
+from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
 from proxy.chat.openai_chat import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
@@ -172,7 +172,10 @@ class ChatPipeline:
             log.exception("recording the request for feedback failed")
         if mt.placement is not None:  # the client's own id for it (a name within its user)
             turn.response_headers["X-Engram-Session"] = mt.placement.session.name
-        turn.response_headers["X-Engram-Memories"] = str(len(mt.injected))
+        note = f"; {mt.memory_note}" if mt.memory_note else ""  # e.g. "3; fts-only"
+        if mt.memory_note:  # fts_only, recall_timeout, too_many_messages: for /engram/metrics
+            self.counts[mt.memory_note.replace("-", "_")] += 1
+        turn.response_headers["X-Engram-Memories"] = f"{len(mt.injected)}{note}"
         if mt.assembly is not None:
             a = mt.assembly
             turn.response_headers["X-Engram-Prompt-Tokens"] = f"{a.tokens}/{a.original_tokens}"
@@ -194,6 +197,8 @@ class ChatPipeline:
             return
         if turn.expansions:
             return  # usage is summed over round trips: no count of this prompt alone
+        if turn.memory is not None and turn.memory.skipped == TOO_MANY_MESSAGES:
+            return  # a request over limits.max_messages costs nothing more than its forwarding
         tokens = self.memory.tokens
         estimated = await asyncio.to_thread(tokens.messages, messages)
         tokens.learn(turn.conv.model, estimated, reported)

@@ -7,8 +7,10 @@ its own session only (plus, optionally, its parent's summary), a conversation ge
 sub-agents handed back first. Turns whose text the prompt already holds are never recalled;
 ``retrieval.neighbours`` brings each hit's neighbours in its conversation. Tool outputs are left
 out, inside the search so they take no places, unless ``retrieval.recall_tool_outputs``.
-What is recalled is rendered for the model by :mod:`proxy.chat.fence`, which marks hand-backs,
-summaries and facts as derived.
+Recall keeps to ``limits.recall_deadline``: a query vector not ready by then leaves the memories
+to FTS5 alone, and a full-text search not done by then leaves them out; ``mt.memory_note`` says
+which. What is recalled is rendered for the model by :mod:`proxy.chat.fence`, which marks
+hand-backs, summaries and facts as derived.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from proxy.chat.turn import MemoryTurn
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
-from proxy.search.retrieval import Hit, Retriever
+from proxy.search.retrieval import Hit, RecallTimeout, Retriever
 from proxy.store import queries
 from proxy.store.items import session_items
 from proxy.store.models import EMBED_CHARS, RECALLED_ROLES, Turn, text_hash
@@ -72,6 +74,8 @@ class Recall:
         query = last_user_text(mt.messages)
         if not query or s.top_k <= 0 or s.budget_tokens <= 0:
             return []
+        limit = self.settings.limits.recall_deadline
+        deadline = asyncio.get_running_loop().time() + limit if limit else None
         head = (
             mt.messages[:1]
             if mt.messages and mt.messages[0].get("role") in ("system", "developer")
@@ -130,6 +134,7 @@ class Recall:
                             1.0,
                         )
                     )
+        degraded: list[str] = []
         try:
             hits = await self.retriever.search(
                 mt.identity.user,
@@ -139,10 +144,17 @@ class Recall:
                 session_ids=scope,
                 exclude_roles=skip_roles,
                 query_vector=mt.query_vector,
+                deadline=deadline,
+                degraded=degraded,
             )
+        except RecallTimeout:  # past limits.recall_deadline: the request goes without
+            mt.memory_note = "recall-timeout"
+            return extra
         except Exception:  # memory degrades, the request goes on
             log.exception("retrieval failed; forwarding without memories")
             return extra
+        if degraded:
+            mt.memory_note = degraded[0]  # "fts-only": the query vector came too late
         near: dict[int, list[Recalled]] = {}
         if s.neighbours > 0 and hits:
             try:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from proxy.background.summarizer import Summarizer
-from proxy.cache import LRU
+from proxy.cache import LRU, SizedLRU
 from proxy.chat.fence import Recalled, block_tag, memory_block
 from proxy.chat.prompt import Assembly, Message, assemble
 from proxy.chat.recall import Recall
@@ -41,7 +41,14 @@ PROMPT_MARGIN = 32
 PROMPT_SAFETY = 0.05  # share of the budget left unused: token estimates err by a few percent
 # Messages whose token counts are remembered (by chain hash) across requests.
 SIZE_CACHE = 50_000
-LAST_REQUESTS = 1000
+WINDOWS = 100_000  # sessions whose last window start is remembered
+MESSAGE_OVERHEAD = 300  # bytes a message dict holds besides its text
+
+
+def prompt_size(entry: tuple[float, Assembly]) -> int:
+    """About how many bytes a kept prompt holds (4 per token, plus each message's dict)."""
+    assembly = entry[1]
+    return 4 * assembly.tokens + MESSAGE_OVERHEAD * len(assembly.messages)
 
 
 class Rewriter:
@@ -68,8 +75,14 @@ class Rewriter:
         self._raw_counts: LRU[str, int] = LRU(SIZE_CACHE)  # text hash -> tokens
         # Tool outputs become slots redacted, as turns are archived.
         self._redact = Redactor() if settings.memory.redact_secrets else None
-        # session id -> (when, assembly) of its last forwarded prompt, for the visibility API
-        self.last_requests: LRU[str, tuple[float, Assembly]] = LRU(LAST_REQUESTS)
+        # session id -> (when, assembly) of its last forwarded prompt, for the inspector's
+        # last-request view; bounded by bytes (limits.last_prompts_bytes)
+        self.last_requests: SizedLRU[str, tuple[float, Assembly]] = SizedLRU(
+            settings.limits.last_prompts_bytes, prompt_size
+        )
+        # session id -> where its last rewritten window began (-1: it went whole), so the next
+        # request's window starts there too (the upstream's prompt cache keeps working)
+        self.windows: LRU[str, int] = LRU(WINDOWS)
         self.fence_secret = secrets.token_bytes(32)  # the memory block's tags (fence.block_tag)
 
     async def compose(self, mt: MemoryTurn, reply_tokens: int | None, recall: bool) -> None:
@@ -101,8 +114,8 @@ class Rewriter:
             found = await self.store.read(lambda c: get_summary(c, sid))
             mt.summary = found.content if found else None
         if mt.placement is not None:
-            last = self.last_requests.get(mt.placement.session.id)
-            mt.previous_start = last[1].window_start if last and last[1].rewritten else None
+            start = self.windows.get(mt.placement.session.id)
+            mt.previous_start = start if start is not None and start >= 0 else None
         mt.memory_room = self.memory_room(budget) if recall else 0
         mem_room = mt.memory_room
         draft = assemble(
@@ -129,7 +142,9 @@ class Rewriter:
             mt.forward_messages = final.messages
             mt.slot_refs = references(final.messages) if mt.slot_refs else []
         if mt.placement is not None:
-            self.last_requests[mt.placement.session.id] = (time.time(), final)
+            sid = mt.placement.session.id
+            self.windows[sid] = final.window_start if final.rewritten else -1
+            self.last_requests[sid] = (time.time(), final)
 
     async def budget(self, reply_tokens: int | None, model: str | None) -> int | None:
         """Prompt tokens available: the context size minus the room kept for the reply (what

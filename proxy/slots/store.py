@@ -29,12 +29,15 @@ a slot that a ``get`` did not find leaves it.
 
 Forgetting: ``put_many(..., session)`` records that the session used the slots (:mod:`.links`); a
 session's delete takes the embedded rows only it used, then ``forget_slots`` their Redis keys.
+Caps (``[limits]``, :mod:`proxy.slots.quota`): an output larger than ``max_slot_bytes``, or one
+that would take its user past ``max_slots_per_user`` / ``max_slot_bytes_per_user``, is left out of
+what ``put_many`` stored (so it is forwarded raw) and logged.
 
 Counters (puts, hits, misses, errors per backend) are kept in memory and added to the ``counters``
 table (names ``slots_<backend>_<kind>``) every :data:`proxy.background.stats.FLUSH_EVERY` seconds
 and at :meth:`SlotStore.close`, so ``engram stats`` can show them without a server
-(:func:`offline_stats`). A hit counts against the backend that had the slot; a miss (unknown or
-expired everywhere) against the backend in use.
+(:func:`proxy.slots.figures.offline_stats`). A hit counts against the backend that had the slot;
+a miss (unknown or expired everywhere) against the backend in use.
 """
 
 from __future__ import annotations
@@ -48,41 +51,33 @@ from typing import Any
 from redis.exceptions import DataError
 
 from proxy.background.stats import FLUSH_EVERY
-from proxy.config import SlotsSettings
+from proxy.config import LimitsSettings, SlotsSettings
 from proxy.logs import event
 from proxy.slots.embedded import EmbeddedSlots
+from proxy.slots.figures import (
+    BACKENDS,
+    EMBEDDED,
+    KINDS,
+    REDIS,
+    counter_name,
+    read_slot_counters,
+    zero_counts,
+)
 from proxy.slots.links import SlotLinks
 from proxy.slots.model import Slot
-from proxy.slots.redis import RedisSlots, open_redis, redis_figures_once
-from proxy.store.counters import add_counters, counter_values
-from proxy.store.db import Connection
+from proxy.slots.quota import SlotQuota
+from proxy.slots.redis import RedisSlots, open_redis
+from proxy.store.counters import add_counters
+from proxy.store.slots import user_slot_sizes
 from proxy.store.store import Store
 from proxy.tasks import every, stop
 
 log = logging.getLogger("engram.slots")
 
-REDIS, EMBEDDED = "redis", "embedded"
-BACKENDS = (REDIS, EMBEDDED)
-KINDS = ("puts", "hits", "misses", "errors")
 CONFIRM_MAX_S = 60.0
 """A slot confirmed on the current backend this recently (or ttl/10, if less) is not re-put."""
 MAX_CONFIRMED = 100_000
 """Bound on the confirmed-slot cache; stale entries go first, then everything."""
-
-
-def counter_name(backend: str, kind: str) -> str:
-    """Name of a slot counter in the ``counters`` table, e.g. ``slots_redis_hits``."""
-    return f"slots_{backend}_{kind}"
-
-
-def zero_counts() -> dict[str, dict[str, int]]:
-    return {backend: dict.fromkeys(KINDS, 0) for backend in BACKENDS}
-
-
-def read_slot_counters(conn: Connection) -> dict[str, dict[str, int]]:
-    """The stored slot counters, per backend (zeros for those never written)."""
-    stored = counter_values(conn, [counter_name(b, k) for b in BACKENDS for k in KINDS])
-    return {b: {k: stored[counter_name(b, k)] for k in KINDS} for b in BACKENDS}
 
 
 def error_text(exc: BaseException) -> str:
@@ -95,9 +90,12 @@ def error_text(exc: BaseException) -> str:
 class SlotStore:
     """Redis when configured, the embedded SQLite table otherwise or while Redis is down."""
 
-    def __init__(self, settings: SlotsSettings, store: Store) -> None:
+    def __init__(
+        self, settings: SlotsSettings, store: Store, limits: LimitsSettings | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
+        self.quota = SlotQuota(limits or LimitsSettings())
         self.embedded = EmbeddedSlots(store)
         self._redis: RedisSlots | None = None
         self._redis_up = False
@@ -180,13 +178,27 @@ class SlotStore:
         now = time.monotonic()
         done = {sid for sid in slots if self._is_confirmed(user, sid, now)}
         pending = [s for sid, s in slots.items() if sid not in done]
+        if pending and not self.quota.knows(user):
+            await self._seed_quota(user)
+        pending = self.quota.admit(user, pending)  # those past a cap go raw (logged)
         if not pending:
             return done
         backend = await self._store_somewhere(user, pending)
         if backend is None:
             return done
+        self.quota.record(user, pending, self.settings.ttl_seconds)
         self._confirm(user, (s.id for s in pending), backend, now)
         return done | {s.id for s in pending}
+
+    async def _seed_quota(self, user: str) -> None:
+        """Start the user's slot ledger from the embedded table (Redis is not scanned)."""
+        wall = time.time()
+        try:
+            rows = await self.store.read(lambda c: user_slot_sizes(c, user, wall))
+        except Exception:
+            log.exception("reading a user's slot sizes failed; counting from zero")
+            rows = []
+        self.quota.seed(user, rows)
 
     async def _store_somewhere(self, user: str, slots: Sequence[Slot]) -> str | None:
         """Put ``slots`` in Redis, else in the embedded table; the backend that took them."""
@@ -226,6 +238,7 @@ class SlotStore:
             self._count(self.backend, "misses")
         else:
             self._count(found[1], "hits")
+            self.quota.touch(user, slot_id, self.settings.ttl_seconds)
         return found
 
     async def _lookup(self, user: str, slot_id: str) -> tuple[Slot, str] | None:
@@ -251,6 +264,7 @@ class SlotStore:
         """Delete ``user``'s slots everywhere it can reach; how many. Raises when the embedded
         table cannot be changed; a Redis that is down keeps the keys until they expire."""
         self._confirmed = {k: v for k, v in self._confirmed.items() if k[0] != user}
+        self.quota.forget(user)
         deleted = await self.embedded.forget(user)
         redis = self._live_redis()
         if redis is not None:
@@ -430,29 +444,3 @@ class SlotStore:
         deleted = await self.purge()
         if deleted:
             event(log, logging.DEBUG, "expired slots purged", slots=deleted)
-
-
-# --- figures without a server (engram stats) ----------------------------------------------------
-
-
-async def offline_stats(settings: SlotsSettings, store: Store) -> dict[str, Any]:
-    """What ``engram stats`` shows: the backend a server would use now and, per backend, slots,
-    bytes and the stored counters. Redis (when configured) is asked directly; ``"up": False``
-    and None figures when it does not answer."""
-    counts = await store.read(read_slot_counters)
-    slots, size = await EmbeddedSlots(store).figures()
-    out: dict[str, Any] = {
-        "backend": EMBEDDED,
-        EMBEDDED: {"slots": slots, "bytes": size, **counts[EMBEDDED]},
-    }
-    if settings.redis_url:
-        figures = await redis_figures_once(settings)
-        out[REDIS] = {
-            "up": figures is not None,
-            "slots": figures[0] if figures else None,
-            "bytes": figures[1] if figures else None,
-            **counts[REDIS],
-        }
-        if figures is not None:
-            out["backend"] = REDIS
-    return out

@@ -82,3 +82,13 @@ def slot_figures(conn: Connection, now: float) -> tuple[int, int]:
 def forget_slots(conn: Connection, user: str) -> int:
     """Delete every row of ``user``; how many."""
     return conn.execute("DELETE FROM slots WHERE user_id = ?", (user,)).rowcount
+
+
+def user_slot_sizes(conn: Connection, user: str, now: float) -> list[tuple[str, int, float]]:
+    """(id, bytes, expires_at) of ``user``'s rows not expired at ``now`` (the per-user slot
+    caps of ``[limits]`` start from these)."""
+    rows = conn.execute(
+        "SELECT id, bytes, expires_at FROM slots WHERE user_id = ? AND expires_at > ?",
+        (user, now),
+    )
+    return [(str(r[0]), int(r[1]), float(r[2])) for r in rows]

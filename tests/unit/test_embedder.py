@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +103,20 @@ async def test_batches_group_similar_lengths_and_keep_input_order() -> None:
         await e.aclose()
 
 
+@pytest.mark.asyncio
+async def test_calls_in_a_lane_take_turns_between_batches() -> None:
+    e = Recording(batch_size=10)
+    try:
+        big = asyncio.create_task(e.embed_passages([f"big text {i}" for i in range(100)]))
+        await asyncio.sleep(0)  # the big call has sent its first batch
+        await e.embed_passages(["small one", "small two"])
+        order = [texts[0].split()[0] for _, texts in e.batches]
+        assert order.index("small") < 3 and not big.done()  # not behind the other nine
+        await big
+    finally:
+        await e.aclose()
+
+
 def test_create_embedder() -> None:
     assert isinstance(create_embedder("hash"), HashEmbedder)
     fe = create_embedder()
@@ -153,5 +169,25 @@ async def test_minilm_offline_vectors_are_sane(model_cache: Path) -> None:
         finally:
             await fresh.aclose()
         assert float(batch[0] @ alone) > 0.999
+    finally:
+        await e.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_query_does_not_wait_behind_a_passage_batch(model_cache: Path) -> None:
+    """Queries have a lane (thread and model session) of their own: one query returns in
+    milliseconds while a batch of long passages is still being embedded."""
+    e = FastEmbedEmbedder(cache_dir=model_cache, lru_size=0, batch_size=64)
+    try:
+        await e.load()
+        texts = [f"passage {i} " + "word " * 250 for i in range(64)]  # one job, 100s of ms
+        batch = asyncio.create_task(e.embed_passages(texts))
+        await asyncio.sleep(0.01)
+        t0 = time.perf_counter()
+        (vec,) = await e.embed_queries(["where is the lighthouse?"])
+        took = time.perf_counter() - t0
+        assert vec.shape == (384,)
+        assert not batch.done(), f"the query ({took:.2f} s) waited for the batch"
+        await batch
     finally:
         await e.aclose()
