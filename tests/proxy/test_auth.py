@@ -336,3 +336,18 @@ async def test_key_lookups_are_cached_briefly(
             await auth.client(bearer(key))
         admin = await auth.admin(bearer("tok"), "203.0.113.9")
         assert admin.admin and admin.user is None
+
+
+@pytest.mark.asyncio
+async def test_keys_guard_a_pure_proxy_too(
+    fake: FakeUpstream, http: aiohttp.ClientSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With memory off the keys still live in the database, and still decide who gets through."""
+    engram = await start_engram(fake.url, auth={"mode": "keys"}, memory={"enabled": False})
+    try:
+        key = await make_key(db_of(engram), "erin", capsys)
+        assert (await chat(http, engram, "hi", {})).status == 401
+        assert (await chat(http, engram, "hi", bearer(key))).status == 200
+        assert "Authorization" not in fake.chat_requests()[-1].headers
+    finally:
+        await engram.close()
