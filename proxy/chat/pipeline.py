@@ -94,6 +94,7 @@ class ChatPipeline:
             # Pure pass-through: nothing parsed, nothing stored, the client's bytes forwarded.
             return await self._forward_raw(request, raw, request_id)
         conv = self.api.parse(raw)
+        conv.api = self.api.name
         turn = ChatTurn(request_id=request_id, mode=mode, conv=conv, raw=raw)
         turn.response_headers["X-Engram-Request-Id"] = request_id
         if self.memory is not None:
