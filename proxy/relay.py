@@ -92,13 +92,16 @@ async def relay(
     tap: Callable[[bytes], bool | None] | None = None,
     finish: Callable[[], Awaitable[None]] | None = None,
     translate: Translation | None = None,
+    death_event: bytes | None = None,
 ) -> tuple[web.StreamResponse, RelayOutcome]:
     """Stream ``upstream`` back to the client. Always closes or releases ``upstream``.
 
     ``tap(chunk)`` returns True for the chunk that ends an event stream's (or NDJSON stream's)
     reply; ``finish`` runs (and must not raise) before the bytes from there on, or the body's last
     chunk, are sent. ``translate``: the client gets ``translate.feed`` of each upstream chunk and
-    its ``finish`` at the end, and ``tap`` sees those translated bytes (what the client got)."""
+    its ``finish`` at the end, and ``tap`` sees those translated bytes (what the client got).
+    ``death_event``: what to write when the upstream dies mid-body (the client API's error
+    event); without it an event stream gets OpenAI's and any other body is cut."""
     outcome = RelayOutcome()
     try:
         if _small_and_whole(upstream):
@@ -148,7 +151,7 @@ async def relay(
             if outcome.upstream_failed:
                 if held:
                     await resp.write(held)
-                await _report_upstream_death(request, resp, sse and translate is None)
+                await _report_upstream_death(request, resp, sse, death_event)
                 return resp, outcome
             if finish is not None:
                 await finish()
@@ -209,15 +212,19 @@ async def _relay_small(
     return web.Response(status=upstream.status, reason=upstream.reason, body=body, headers=headers)
 
 
-async def _report_upstream_death(request: web.Request, resp: web.StreamResponse, sse: bool) -> None:
-    if sse:
+UPSTREAM_DIED = "The upstream model server closed the connection before the reply was done."
+
+
+async def _report_upstream_death(
+    request: web.Request, resp: web.StreamResponse, sse: bool, event: bytes | None
+) -> None:
+    """An error event the client's SDK raises on (``event``: the chat API's own; else OpenAI's
+    for an event stream), or, for any other body, the connection cut as the upstream's was."""
+    if event is None and sse:
+        event = sse_error_event(UPSTREAM_DIED, code="upstream_disconnected")
+    if event is not None:
         try:
-            await resp.write(
-                sse_error_event(
-                    "The upstream model server closed the connection before the reply was done.",
-                    code="upstream_disconnected",
-                )
-            )
+            await resp.write(event)
             await resp.write_eof()
         except ConnectionResetError:
             pass

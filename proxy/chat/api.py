@@ -98,6 +98,11 @@ class ChatAPI(Protocol):
         adapter's paths with it)."""
         ...
 
+    def stream_error(self, message: str) -> bytes | None:
+        """The event that tells this API's streaming client that the reply broke off (the
+        upstream died mid-stream), or None to cut the connection."""
+        ...
+
     def to_chat(self, conv: Conversation, messages: list[Message]) -> dict[str, Any]:
         """The request as an OpenAI chat-completions body, for an upstream that lacks this API
         (``messages``: the neutral messages to send)."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from proxy import json_input
 from proxy.chat.api import Conversation, Message
-from proxy.errors import BadRequest, error_body
+from proxy.errors import BadRequest, error_body, sse_error_event
 from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
@@ -50,6 +50,9 @@ class OpenAIChat:
         self, status: int, type: str, message: str, code: str | None, param: str | None
     ) -> dict[str, Any]:
         return error_body(message, type, code=code, param=param)
+
+    def stream_error(self, message: str) -> bytes | None:
+        return sse_error_event(message, code="upstream_disconnected")
 
     def to_chat(self, conv: Conversation, messages: list[Message]) -> dict[str, Any]:
         return {**conv.body, "messages": messages}  # it is chat completions: never translated

@@ -31,7 +31,7 @@ from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError, UpstreamRejected
 from proxy.logs import event
-from proxy.relay import encode_json, is_event_stream, read_body, relay
+from proxy.relay import UPSTREAM_DIED, encode_json, is_event_stream, is_ndjson, read_body, relay
 from proxy.slots.expand import can_add_tool
 from proxy.slots.loop import Expander, Outcome
 from proxy.tasks import BackgroundTasks
@@ -150,6 +150,7 @@ class ChatPipeline:
         # The reply is read as the client gets it (translated or not), in this API's shape.
         sse = translate.content_type == SSE if translate is not None else is_event_stream(up)
         reader = self.api.reader(sse)
+        streamed = sse or is_ndjson(up) or turn.conv.stream
 
         async def finish() -> None:
             """The reply is whole: archive the turn before the client gets the last bytes."""
@@ -166,6 +167,7 @@ class ChatPipeline:
                 tap=reader.feed,
                 finish=finish if self._archives(turn) else None,
                 translate=translate,
+                death_event=self.api.stream_error(UPSTREAM_DIED) if streamed else None,
             )
             ended_cleanly = outcome.ended_cleanly
             turn.client_gone = outcome.client_gone
