@@ -81,7 +81,7 @@ class AnthropicMessages:
         body = parse_chat_body(raw)  # JSON, an object, ``messages`` an array of role objects
         check_request(body)
         clean = without_lone_surrogates(body) if _SURROGATE_ESCAPE.search(raw) else body
-        messages, top, inner = neutral_messages(clean)
+        messages, top, reshape = neutral_messages(clean)
         model = body.get("model")
         reserve = body.get("max_tokens")
         valid_reserve = isinstance(reserve, int) and not isinstance(reserve, bool) and reserve > 0
@@ -93,7 +93,7 @@ class AnthropicMessages:
             reply_tokens=reserve if valid_reserve else None,
             hints=hints(clean),
             system_text=top,
-            reshape=inner,
+            reshape=reshape,
         )
 
     def encode(self, conv: Conversation, messages: list[Message]) -> bytes:

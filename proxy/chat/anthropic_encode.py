@@ -10,6 +10,11 @@ block in ``stable`` mode) becomes a text block where the stages put it, and a pi
 left out leaves its blocks out. Messages Engram made (the summary when the window opens with an
 assistant turn) are new messages.
 
+A user message with ``tool_result`` blocks beside other blocks goes as two user messages, the
+results first (:func:`split_results`): one turn to the Messages API, and the order of tool
+pairing to llama-server, which would otherwise put the user's text between the tool calls and
+their results.
+
 The one system place is the top-level ``system``: the client's own, byte for byte first (a
 string stays a string, blocks stay blocks), then the text of any role ``system`` messages that
 were inside ``messages`` (Claude Code sends them; llama-server would make each a second system
@@ -25,6 +30,7 @@ from proxy.chat.anthropic_neutral import (
     ORIGIN,
     TOP_SYSTEM,
     AnthropicConversation,
+    mixes_results,
     part_block,
 )
 from proxy.chat.api import Message
@@ -57,18 +63,33 @@ def encode_body(conv: AnthropicConversation, messages: list[Message]) -> dict[st
                 groups[k] = []
                 order.append(k)
             groups[k].append(m)
-    out_messages = [
-        _rebuild(sent[item], groups[item], parsed.get(item, []))
-        if isinstance(item, int)
-        else _new_message(item)
-        for item in order
-    ]
+    out_messages: list[Any] = []
+    for item in order:
+        if isinstance(item, int):
+            out_messages += split_results(_rebuild(sent[item], groups[item], parsed.get(item, [])))
+        else:
+            out_messages.append(_new_message(item))
     out = dict(body)
     place = system_place(conv, system)
     if place is not None:
         out["system"] = place
     out["messages"] = out_messages
     return out
+
+
+def split_results(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """A user message with tool results beside other blocks as two: the results, then the rest.
+
+    llama-server makes the other blocks a user message placed before the results' tool
+    messages, which breaks the tool pairing strict chat templates check; two user messages in a
+    row are one turn to the Messages API, and to llama-server the results (tool messages only)
+    followed by the user's message."""
+    if not mixes_results(msg):
+        return [msg]
+    content = msg["content"]
+    results = [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
+    rest = [b for b in content if not (isinstance(b, dict) and b.get("type") == "tool_result")]
+    return [{**msg, "content": results}, {"role": "user", "content": rest}]
 
 
 def _index(origin: Any) -> int | None:

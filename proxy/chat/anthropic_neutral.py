@@ -57,8 +57,9 @@ class AnthropicConversation(Conversation):
     """A Messages request: the neutral conversation, and what encoding it back needs."""
 
     system_text: str | None = None  # the neutral text of the top-level ``system`` (None: none)
-    # Role ``system`` messages inside ``messages``: the body must be re-encoded even when the
-    # memory stages change nothing, so that they reach the upstream in the one system place.
+    # The body must be re-encoded even when the memory stages change nothing, for a strict chat
+    # template: it has role ``system`` messages inside ``messages`` (they go to the one system
+    # place) or a user message with tool results beside other blocks (split, results first).
     reshape: bool = False
 
 
@@ -186,18 +187,28 @@ def message_pieces(k: int, msg: dict[str, Any]) -> list[Message]:
     return pieces
 
 
+def mixes_results(msg: Any) -> bool:
+    """Whether a user message holds ``tool_result`` blocks beside other blocks."""
+    content = msg.get("content") if isinstance(msg, dict) else None
+    if msg.get("role") != "user" or not isinstance(content, list):
+        return False
+    kinds = {b.get("type") == "tool_result" for b in content if isinstance(b, dict)}
+    return len(kinds) == 2
+
+
 def neutral_messages(body: dict[str, Any]) -> tuple[list[Message], str | None, bool]:
     """The request's neutral messages, the neutral text of its top-level system, and whether
-    ``messages`` holds role ``system`` messages."""
+    the body must be re-encoded for a strict chat template (:attr:`AnthropicConversation.
+    reshape`)."""
     out: list[Message] = []
     top = system_text(body.get("system"))
     if top is not None:
         out.append({"role": "system", "content": top, ORIGIN: TOP_SYSTEM})
-    inner = False
+    reshape = False
     for k, msg in enumerate(body["messages"]):
-        inner = inner or msg.get("role") == "system"
+        reshape = reshape or msg.get("role") == "system" or mixes_results(msg)
         out.extend(message_pieces(k, msg))
-    return out, top, inner
+    return out, top, reshape
 
 
 def strip_origins(msg: Message) -> Message:
