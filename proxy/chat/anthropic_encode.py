@@ -241,8 +241,10 @@ def _tool_block(block: dict[str, Any], piece: Message, was: Message | None) -> d
     if was is not None and (piece is was or piece == was):
         return block
     new = piece.get("content")
-    if isinstance(new, list):
-        old = block.get("content")
+    old = block.get("content")
+    if isinstance(new, str) and isinstance(old, list):
+        new = [{"type": "text", "text": new}]  # a reference, in the shape the client used
+    elif isinstance(new, list):
         olds = old if isinstance(old, list) else []
         new = [
             _part_to_block(olds[p[ORIGIN]] if _has(olds, p.get(ORIGIN)) else None, p)

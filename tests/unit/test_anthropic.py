@@ -374,7 +374,8 @@ def test_a_tool_result_with_block_content_keeps_its_blocks_where_unchanged() -> 
     out = encoded(conv, [*conv.messages[:2], changed])
     assert out["messages"][2]["content"][0]["content"] == [{"type": "text", "text": "new"}, image]
     out = encoded(conv, [*conv.messages[:2], {**tool, "content": "[TOOL_RESULT:f-1]"}])
-    assert out["messages"][2]["content"][0]["content"] == "[TOOL_RESULT:f-1]"
+    ref = [{"type": "text", "text": "[TOOL_RESULT:f-1]"}]  # blocks stay blocks
+    assert out["messages"][2]["content"][0]["content"] == ref
 
 
 def test_parts_engram_adds_become_text_blocks_where_the_stages_put_them() -> None:
