@@ -67,6 +67,10 @@ _BY_STATUS = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+# ``max_tokens`` is required by the Messages API, so clients send their model's ceiling (Claude
+# Code: 32,000 or more), not the room a reply needs: kept free for the reply up to this many
+# tokens, or the prompt budget of a local model's context would leave no room for the history.
+REPLY_ROOM = 4096
 _CLAUDE_CODE_ID = re.compile(r"^user_[0-9a-fA-F]*_account_[^\s]*_session_[0-9a-fA-F-]+$")
 
 
@@ -85,6 +89,8 @@ class AnthropicMessages:
         model = body.get("model")
         reserve = body.get("max_tokens")
         valid_reserve = isinstance(reserve, int) and not isinstance(reserve, bool) and reserve > 0
+        if valid_reserve:  # a ceiling every request must send, not the room it needs
+            reserve = min(reserve, REPLY_ROOM)
         return AnthropicConversation(
             body=body,
             messages=messages,

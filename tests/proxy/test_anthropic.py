@@ -350,6 +350,34 @@ async def test_a_long_old_tool_result_becomes_a_slot_reference(
     assert body["messages"][1] == messages[1] and body["messages"][3:] == messages[3:]
 
 
+async def test_claude_codes_max_tokens_leaves_the_history_in_the_prompt(
+    engram: Engram, strict: FakeUpstream
+) -> None:
+    """Claude Code asks max_tokens 32,000 of a model with a 32,768-token context: kept free
+    for the reply, it would leave no room for the conversation."""
+    history: list[dict[str, Any]] = []
+    for i in range(20):
+        history += [
+            user(f"Step {i}: " + "refactor the parser " * 40),
+            {"role": "assistant", "content": f"Done {i}."},
+        ]
+    messages = [*history, user("Next step?")]
+    async with (
+        sdk(engram) as c,
+        c.messages.stream(
+            model=MODEL,
+            max_tokens=32000,
+            system="You are Claude Code.",
+            messages=messages,  # type: ignore[arg-type]
+        ) as stream,
+    ):
+        await stream.get_final_message()
+        headers = stream.response.headers
+    forwarded, original = headers["X-Engram-Prompt-Tokens"].split("/")
+    assert forwarded == original
+    assert last_body(strict)["messages"] == messages
+
+
 async def test_memory_off_is_a_byte_identical_pass_through(
     engram: Engram, strict: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
