@@ -87,16 +87,14 @@ class AnthropicMessages:
         clean = without_lone_surrogates(body) if _SURROGATE_ESCAPE.search(raw) else body
         messages, top, reshape = neutral_messages(clean)
         model = body.get("model")
-        reserve = body.get("max_tokens")
-        valid_reserve = isinstance(reserve, int) and not isinstance(reserve, bool) and reserve > 0
-        if valid_reserve:  # a ceiling every request must send, not the room it needs
-            reserve = min(reserve, REPLY_ROOM)
+        ceiling = body.get("max_tokens")  # every request must send one: not the room it needs
+        valid = isinstance(ceiling, int) and not isinstance(ceiling, bool) and ceiling > 0
         return AnthropicConversation(
             body=body,
             messages=messages,
             model=model if isinstance(model, str) else None,
             stream=body.get("stream") is True,
-            reply_tokens=reserve if valid_reserve else None,
+            reply_tokens=min(ceiling, REPLY_ROOM) if valid else None,
             hints=hints(clean),
             system_text=top,
             reshape=reshape,
