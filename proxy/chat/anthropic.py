@@ -88,13 +88,17 @@ class AnthropicMessages:
         messages, top, reshape = neutral_messages(clean)
         model = body.get("model")
         ceiling = body.get("max_tokens")  # every request must send one: not the room it needs
-        valid = isinstance(ceiling, int) and not isinstance(ceiling, bool) and ceiling > 0
+        room = (
+            min(ceiling, REPLY_ROOM)
+            if isinstance(ceiling, int) and not isinstance(ceiling, bool) and ceiling > 0
+            else None
+        )
         return AnthropicConversation(
             body=body,
             messages=messages,
             model=model if isinstance(model, str) else None,
             stream=body.get("stream") is True,
-            reply_tokens=min(ceiling, REPLY_ROOM) if valid else None,
+            reply_tokens=room,
             hints=hints(clean),
             system_text=top,
             reshape=reshape,
