@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.chat.api import Conversation, Message
-from proxy.messages import content_text
 
 ORIGIN = "_anthropic"  # where a neutral message or part came from in the client's body
 TOP_SYSTEM = "system"  # ORIGIN of the neutral message made from the top-level ``system``
@@ -221,8 +220,3 @@ def strip_origins(msg: Message) -> Message:
             for p in content
         ]
     return out
-
-
-def text_of(content: Any) -> str:
-    """The text of a neutral content (parts joined as :func:`proxy.messages.content_text`)."""
-    return content_text(content)

@@ -110,8 +110,8 @@ def chat_messages(conv: Conversation, messages: list[Message]) -> list[Message]:
                 msg["content"] = "".join(str(p.get("text", "")) for p in parts)
             else:
                 msg["content"] = parts
-        elif content is None and msg.get("role") != "assistant":
-            msg["content"] = ""
+        elif content is None and not msg.get("tool_calls"):
+            msg["content"] = ""  # an assistant turn of thinking only, say
         out.append(msg)
     return out
 
