@@ -16,8 +16,10 @@ Who is asking: ``metadata.user_id`` names the user, as OpenAI's ``user`` does, u
 Claude Code's own (``user_<hash>_account_<id>_session_<uuid>``, or since 2.1.78 a JSON object
 with ``device_id`` and ``session_id``): that one names an installation, not a person, and its
 session id is shared by the conversation's sub-agents and side requests (titles, topics), so it
-names neither the user nor a conversation. Engram's hash chain tells Claude Code's
-conversations apart; its billing line's per-request stamp is fixed in the neutral text for that.
+names neither the user nor a conversation (nor does its ``X-Claude-Code-Session-Id`` header).
+Engram's hash chain tells Claude Code's conversations apart; its billing line's per-request stamp
+is fixed in the neutral text for that. ``max_tokens``, which every request must send, keeps at
+most :data:`REPLY_ROOM` tokens free for the reply in the prompt budget.
 
 Engram's expansion tool (``engram_expand``) is not offered here (``expansion = False``): the
 tool-result references say what each output was, and the client can run its tool again.

@@ -108,7 +108,7 @@ def system_place(conv: AnthropicConversation, pieces: list[Message]) -> SystemPi
     body = conv.body
     top = body.get("system")
     kept_top: Any = top
-    after: list[SystemPiece] = []  # the role system messages' content, then Engram's additions
+    after: list[SystemPiece] = []  # the content of the role system messages inside messages
     added: list[str] = []
     parsed = {m.get(ORIGIN): m for m in conv.messages if m.get("role") == "system"}
     for m in pieces:
