@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from testing.fake_anthropic import messages_routes
 from testing.fake_chunks import (
     chat_chunks,
     chat_completion,
@@ -151,6 +152,7 @@ class FakeUpstream:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/responses"): self._responses,
         }
+        self._routes.update(messages_routes(self))
         if flavor == "llamacpp":
             self._routes[("POST", "/tokenize")] = self._tokenize
         else:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from proxy.chat.anthropic import AnthropicMessages
 from proxy.chat.api import ChatAPI
 from proxy.chat.openai_chat import OpenAIChat
 
 
 def chat_apis() -> list[ChatAPI]:
     """One adapter per API, OpenAI chat completions first."""
-    return [OpenAIChat()]
+    return [OpenAIChat(), AnthropicMessages()]
 
 
 def api_for_path(apis: list[ChatAPI], path: str) -> ChatAPI | None:
