@@ -27,6 +27,7 @@ from proxy.config import Settings
 from proxy.errors import (
     BadRequest,
     EngramError,
+    ErrorShape,
     Forbidden,
     NotFound,
     PayloadTooLarge,
@@ -85,7 +86,7 @@ def _middleware(
     OpenAI's error shape, and the access log line."""
     server = settings.server
     allowed = _allowed_hosts(settings)
-    shapes = {path: api.error_body for api in apis for path in api.paths}
+    shape_of = _error_shapes(apis)
     origins = guard.normalise_origins(server.cors_origins)
     too_large = PayloadTooLarge(
         f"Request body too large: Engram accepts at most {server.max_body_bytes} bytes "
@@ -108,10 +109,10 @@ def _middleware(
             return resp
         except EngramError as exc:
             status = exc.status
-            return error_response(exc, shapes.get(request.path))
+            return error_response(exc, shape_of(request.path))
         except web.HTTPRequestEntityTooLarge:
             status = 413
-            return error_response(too_large, shapes.get(request.path))
+            return error_response(too_large, shape_of(request.path))
         except web.HTTPException as exc:
             status = exc.status
             if exc.status < 400:
@@ -120,11 +121,11 @@ def _middleware(
                 exc.reason, headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"}
             )
             error.status, error.type = exc.status, "invalid_request_error"
-            return error_response(error, shapes.get(request.path))
+            return error_response(error, shape_of(request.path))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
             internal = EngramError("Engram hit an internal error; see its log.")
-            return error_response(internal, shapes.get(request.path))
+            return error_response(internal, shape_of(request.path))
         finally:
             if server.access_log:
                 event(
@@ -138,6 +139,21 @@ def _middleware(
                 )
 
     return middleware
+
+
+def _error_shapes(apis: list[ChatAPI]) -> Callable[[str], ErrorShape | None]:
+    """The error shape for a path: its chat API's, also below it (``/v1/messages/count_tokens``
+    errs as Anthropic does); None (OpenAI's) elsewhere."""
+    exact = {path: api.error_body for api in apis for path in api.paths}
+    below = [(path.rstrip("/") + "/", api.error_body) for api in apis for path in api.paths]
+
+    def shape_of(path: str) -> ErrorShape | None:
+        found = exact.get(path)
+        if found is None:
+            found = next((shape for prefix, shape in below if path.startswith(prefix)), None)
+        return found
+
+    return shape_of
 
 
 async def _authenticate(request: web.Request) -> None:

@@ -118,6 +118,9 @@ class AnthropicMessages:
     ) -> dict[str, Any]:
         return error_body(status, type, message)
 
+    def stream_error(self, message: str) -> bytes | None:
+        return stream_error(message)
+
     def to_chat(self, conv: Conversation, messages: list[Message]) -> dict[str, Any]:
         return to_chat(conv, messages)
 

@@ -56,10 +56,9 @@ class AnthropicConversation(Conversation):
     """A Messages request: the neutral conversation, and what encoding it back needs."""
 
     system_text: str | None = None  # the neutral text of the top-level ``system`` (None: none)
-    # The body must be re-encoded even when the memory stages change nothing, for a strict chat
-    # template: it has role ``system`` messages inside ``messages`` (they go to the one system
-    # place) or a user message with tool results beside other blocks (split, results first).
-    reshape: bool = False
+    # ``reshape`` (on Conversation) is set when the body has role ``system`` messages inside
+    # ``messages`` (they go to the one system place) or a user message with tool results beside
+    # other blocks (split, results first): a strict chat template needs it re-encoded.
 
 
 def normalize_billing(text: str) -> str:

@@ -43,6 +43,9 @@ class Conversation:
     # ``metadata.session_id``), in OpenAI's shape, for :func:`proxy.chat.identity.identify`.
     hints: Mapping[str, Any] | None = None
     api: str | None = None  # the adapter's name (set by the pipeline), recorded per turn
+    # The body must be re-encoded from the messages even when the memory stages change nothing
+    # (an adapter that puts a client's body into the shape strict chat templates need).
+    reshape: bool = False
 
 
 class ReplyReader(Protocol):

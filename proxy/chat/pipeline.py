@@ -111,6 +111,8 @@ class ChatPipeline:
         if self.memory is not None:
             await self._remember(request, turn)
         forwarded = turn.forwarded
+        if forwarded is None and conv.reshape:
+            forwarded = turn.forwarded = conv.messages
         payload = self.api.encode(conv, forwarded) if forwarded is not None else raw
         return await self._forward(request, turn, payload)
 

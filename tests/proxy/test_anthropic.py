@@ -562,11 +562,6 @@ async def test_an_upstream_without_the_api_gets_chat_completions(
     assert all(r is not None and r.complete for r in replies)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the pipeline to encode a conversation whose reshape flag is set even when "
-    "the memory stages change nothing (see the report of issue 13's Anthropic part)",
-)
 async def test_role_system_messages_reach_a_strict_template_even_without_memory(
     engram: Engram, strict: FakeUpstream
 ) -> None:
@@ -580,12 +575,6 @@ async def test_role_system_messages_reach_a_strict_template_even_without_memory(
     assert last_body(strict)["system"] == "Sys.\n\nSkills: none."
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the relay reports an upstream's death mid-stream as an OpenAI-shaped data event, "
-    "which the anthropic SDK skips (it reads only `event: error`); proxy.chat.anthropic."
-    "stream_error makes Anthropic's (see the report of issue 13's Anthropic part)",
-)
 async def test_an_upstream_dying_mid_stream_raises_in_the_sdk(
     engram: Engram, strict: FakeUpstream
 ) -> None:
@@ -633,13 +622,6 @@ async def test_engrams_keys_guard_messages_and_count_tokens(
         await e.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in translation the archive reads the upstream's chat bytes, whose tool-call "
-    "arguments keep the upstream's spelling; the client resends them as an `input` object "
-    "(spelled by json.dumps), so the hash chain breaks after a tool call (see the report of "
-    "issue 13's Anthropic part)",
-)
 async def test_a_translated_tool_call_continues_the_same_session(
     engram: Engram, strict: FakeUpstream
 ) -> None:

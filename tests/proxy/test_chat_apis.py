@@ -70,3 +70,22 @@ async def test_an_error_on_a_chat_path_is_in_that_apis_shape(
                 assert set(body) == set(expected), path
     finally:
         await engram.close()
+
+
+@pytest.mark.asyncio
+async def test_errors_below_a_chat_path_take_its_shape(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """``/v1/messages/count_tokens`` is passed through, but Engram's own errors there (a key
+    missing, a body too large) are Anthropic-shaped, as its client expects."""
+    engram = await start_engram(fake.url, auth={"mode": "keys"})
+    try:
+        async with http.post(engram.url + "/v1/messages/count_tokens", json={}) as r:
+            assert r.status == 401
+            body = await r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+        async with http.post(engram.url + "/v1/embeddings", json={}) as r:
+            assert r.status == 401
+            assert "type" not in await r.json()  # OpenAI's shape elsewhere
+    finally:
+        await engram.close()
