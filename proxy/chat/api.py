@@ -39,6 +39,9 @@ class Conversation:
     # Body fields that name the user or the session (``user``, ``safety_identifier``,
     # ``metadata.session_id``), in OpenAI's shape, for :func:`proxy.chat.identity.identify`.
     hints: Mapping[str, Any] | None = None
+    # The context size this request itself sets (Ollama's ``options.num_ctx``): the prompt's
+    # budget is sized by it instead of the upstream's default context.
+    context_size: int | None = None
 
 
 class ReplyReader(Protocol):
