@@ -21,6 +21,8 @@ from proxy import guard
 from proxy.api.routes import add_routes as add_admin_routes
 from proxy.api.status import health, metrics
 from proxy.auth import PRINCIPAL
+from proxy.chat.api import ChatAPI
+from proxy.chat.apis import chat_apis
 from proxy.config import Settings
 from proxy.errors import (
     BadRequest,
@@ -28,7 +30,6 @@ from proxy.errors import (
     Forbidden,
     NotFound,
     PayloadTooLarge,
-    error_body,
     error_response,
 )
 from proxy.logs import event
@@ -46,9 +47,10 @@ ADMIN_PATHS = ("/engram/api", "/engram/metrics")
 
 def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) -> web.Application:
     """Build the application. ``upstream_info`` skips detection (tests, pre-detected CLI)."""
+    apis = chat_apis()
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
-        middlewares=[_middleware(settings)],
+        middlewares=[_middleware(settings, apis)],
     )
     if settings.server.cors_origins:
         app.on_response_prepare.append(
@@ -65,8 +67,9 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
     app.router.add_get("/engram/metrics", metrics)
     add_admin_routes(app)
     app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/chat/completions", chat_completions)
+    for api in apis:
+        for path in api.paths:
+            app.router.add_post(path, _chat_handler(api.name))
     app.router.add_route("*", "/{tail:.*}", passthrough)
     return app
 
@@ -74,12 +77,15 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
 # --- middleware ---------------------------------------------------------------------------------
 
 
-def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamResponse]]:
+def _middleware(
+    settings: Settings, apis: list[ChatAPI]
+) -> Callable[..., Awaitable[web.StreamResponse]]:
     """The one middleware: the Host allow-list (DNS-rebinding protection), no cross-site
     writes and JSON-only bodies (:mod:`proxy.guard`), CORS preflight, every failure turned into
     OpenAI's error shape, and the access log line."""
     server = settings.server
     allowed = _allowed_hosts(settings)
+    shapes = {path: api.error_body for api in apis for path in api.paths}
     origins = guard.normalise_origins(server.cors_origins)
     too_large = PayloadTooLarge(
         f"Request body too large: Engram accepts at most {server.max_body_bytes} bytes "
@@ -102,24 +108,23 @@ def _middleware(settings: Settings) -> Callable[..., Awaitable[web.StreamRespons
             return resp
         except EngramError as exc:
             status = exc.status
-            return error_response(exc)
+            return error_response(exc, shapes.get(request.path))
         except web.HTTPRequestEntityTooLarge:
             status = 413
-            return error_response(too_large)
+            return error_response(too_large, shapes.get(request.path))
         except web.HTTPException as exc:
             status = exc.status
             if exc.status < 400:
                 raise
-            return web.json_response(
-                error_body(exc.reason, "invalid_request_error"),
-                status=exc.status,
-                headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
+            error = EngramError(
+                exc.reason, headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"}
             )
+            error.status, error.type = exc.status, "invalid_request_error"
+            return error_response(error, shapes.get(request.path))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return web.json_response(
-                error_body("Engram hit an internal error; see its log.", "server_error"), status=500
-            )
+            internal = EngramError("Engram hit an internal error; see its log.")
+            return error_response(internal, shapes.get(request.path))
         finally:
             if server.access_log:
                 event(
@@ -192,8 +197,12 @@ def _hostname(host: str) -> str:
 # --- handlers -----------------------------------------------------------------------------------
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[SERVICES].pipeline.handle(request)
+def _chat_handler(name: str) -> Handler:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await request.app[SERVICES].pipelines[name].handle(request)
+
+    chat.__name__ = f"chat_{name.replace('-', '_')}"
+    return chat
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:

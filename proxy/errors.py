@@ -18,6 +18,7 @@ Upstream errors are never wrapped: they are relayed with the status and body the
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -80,6 +81,18 @@ class PayloadTooLarge(EngramError):
     code = "request_too_large"
 
 
+class UpstreamRejected(EngramError):
+    """The upstream's error to a request Engram translated to chat completions (the client's
+    API lacks a route there), re-shaped into the client's API with the upstream's status."""
+
+    type = "api_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"The upstream model server answered {status}: {message}")
+        self.status = status
+        self.code = "upstream_error"
+
+
 class ServiceUnavailable(EngramError):
     status = 503
     type = "server_error"
@@ -104,9 +117,17 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(exc: EngramError) -> web.Response:
-    """Render an EngramError as an HTTP response in OpenAI's shape."""
-    body = error_body(exc.message, exc.type, exc.code, exc.param)
+ErrorShape = Callable[[int, str, str, str | None, str | None], dict[str, Any]]
+"""(status, type, message, code, param) -> an API's error body (``ChatAPI.error_body``)."""
+
+
+def error_response(exc: EngramError, shape: ErrorShape | None = None) -> web.Response:
+    """Render an EngramError as an HTTP response, in OpenAI's shape unless ``shape`` is given
+    (the error shape of the chat API whose path was asked)."""
+    if shape is not None:
+        body = shape(exc.status, exc.type, exc.message, exc.code, exc.param)
+    else:
+        body = error_body(exc.message, exc.type, exc.code, exc.param)
     return web.Response(
         status=exc.status,
         body=json.dumps(body).encode(),

@@ -29,6 +29,7 @@ from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
 from proxy.background.stats import FLUSH_EVERY, Counters
 from proxy.background.summarizer import Summarizer
+from proxy.chat.apis import chat_apis
 from proxy.chat.memory import MemoryService
 from proxy.chat.pipeline import ChatPipeline
 from proxy.config import Settings
@@ -66,9 +67,10 @@ class Services:
     started: float
     upstream: Upstream
     tasks: BackgroundTasks
-    pipeline: ChatPipeline
+    pipeline: ChatPipeline  # OpenAI chat completions'
     parts: MemoryParts | None
     auth: Authenticator
+    pipelines: dict[str, ChatPipeline]  # every chat API's, by adapter name
 
     def require_memory(self) -> MemoryParts:
         """The memory parts; RuntimeError when memory is disabled (for tools and benchmarks)."""
@@ -136,8 +138,12 @@ async def open_services(
         auth = Authenticator(settings.auth, store, token)
         # Registered after the memory parts, so it runs before they close.
         closing("draining background tasks", lambda: tasks.drain(settings.server.shutdown_timeout))
-        pipeline = ChatPipeline(settings, upstream, tasks, parts.memory if parts else None)
-        services = Services(settings, started, upstream, tasks, pipeline, parts, auth)
+        memory = parts.memory if parts else None
+        pipelines = {
+            api.name: ChatPipeline(settings, upstream, tasks, memory, api) for api in chat_apis()
+        }
+        pipeline = pipelines["openai-chat"]
+        services = Services(settings, started, upstream, tasks, pipeline, parts, auth, pipelines)
         if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
             size = await upstream.context_size()
             event(

@@ -77,7 +77,8 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     async def probe(turn: ChatTurn) -> None:
         engram.turns.append(turn)
 
-    app[SERVICES].pipeline.reply_hooks.append(probe)
+    for pipeline in app[SERVICES].pipelines.values():
+        pipeline.reply_hooks.append(probe)
     return engram
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from aiohttp import web
 
@@ -44,13 +45,21 @@ async def metrics(request: web.Request) -> web.Response:
     """Counters in Prometheus' text format."""
     services = request.app[SERVICES]
     pipeline, tasks = services.pipeline, services.tasks
+    counts: Counter[str] = Counter()  # summed over the chat APIs
+    for each in services.pipelines.values():
+        counts.update(each.counts)
     values: dict[str, float] = {
         "engram_uptime_seconds": round(time.time() - services.started, 1),
         "engram_background_tasks": len(tasks),
         "engram_background_tasks_failed_total": tasks.failed,
     }
     for mode in ("on", "off", "read-only", "write-only"):
-        values[f'engram_chat_requests_total{{mode="{mode}"}}'] = pipeline.counts[f"chat_{mode}"]
+        values[f'engram_chat_requests_total{{mode="{mode}"}}'] = counts[f"chat_{mode}"]
+    for name, each in services.pipelines.items():
+        total = sum(
+            each.counts[f"chat_{mode}"] for mode in ("on", "off", "read-only", "write-only")
+        )
+        values[f'engram_chat_api_requests_total{{api="{name}"}}'] = total
     for name in (
         "client_disconnects",
         "upstream_failures",
@@ -61,7 +70,7 @@ async def metrics(request: web.Request) -> web.Response:
         "recall_timeout",  # … and full-text search too
         "too_many_messages",  # limits.max_messages
     ):
-        values[f"engram_{name}_total"] = pipeline.counts[name]
+        values[f"engram_{name}_total"] = counts[name]
     memory = pipeline.memory
     if memory is not None:
         values["engram_turns_archived_total"] = memory.archived_turns
@@ -84,8 +93,8 @@ async def metrics(request: web.Request) -> web.Response:
             values["engram_slots_redis_up"] = float(slots.backend == "redis")
         for cap, refused in slots.quota.refused.items():
             values[f'engram_slots_refused_total{{cap="{cap}"}}'] = refused
-        for backend, counts in slots.counters().items():
-            for name, value in counts.items():
+        for backend, kinds in slots.counters().items():
+            for name, value in kinds.items():
                 values[f'engram_slots_{name}_total{{backend="{backend}"}}'] = value
     text = "".join(f"{k} {v:g}\n" for k, v in values.items())
     return web.Response(text=text, content_type="text/plain", charset="utf-8")

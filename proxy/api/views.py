@@ -107,6 +107,7 @@ def hit_json(hit: Hit) -> dict[str, Any]:
         "timestamp_iso": iso(t.timestamp),
         "score": hit.score,
         "ranks": {"fts": hit.ranks.get("fts"), "vec": hit.ranks.get("vec")},
+        "api": t.api,  # the chat API it came through; None when imported or stored before
     }
 
 
@@ -141,6 +142,7 @@ def turn_json(t: Turn) -> dict[str, Any]:
         "timestamp": t.timestamp,
         "timestamp_iso": iso(t.timestamp),
         "incomplete": t.incomplete,
+        "api": t.api,
     }
 
 

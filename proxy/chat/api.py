@@ -10,8 +10,11 @@ messages back into its own shape (:meth:`ChatAPI.encode`), and reassembles the u
 streamed or whole, into an :class:`~proxy.sse.AssembledReply` (:meth:`ChatAPI.reader`), which
 knows when the reply has ended (so the turn is archived before the client's last byte).
 
-Adding a chat API is adding one adapter module (and its tests) and a route;
-:mod:`proxy.chat.openai_chat` is the first.
+Adding a chat API is adding one adapter module (and its tests) and naming it in
+:func:`proxy.chat.apis.chat_apis`: the app routes its paths to a pipeline of its own, renders
+Engram's errors there in its shape (:meth:`ChatAPI.error_body`), and, when the upstream answers
+404 on its path, translates the request to chat completions and the reply back
+(:meth:`ChatAPI.to_chat`, :meth:`ChatAPI.from_chat`). :mod:`proxy.chat.openai_chat` is the first.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Conversation:
     # The context size this request itself sets (Ollama's ``options.num_ctx``): the prompt's
     # budget is sized by it instead of the upstream's default context.
     context_size: int | None = None
+    api: str | None = None  # the adapter's name (set by the pipeline), recorded per turn
 
 
 class ReplyReader(Protocol):
@@ -56,10 +60,26 @@ class ReplyReader(Protocol):
         ...
 
 
+class ReplyTranslator(Protocol):
+    """Turns an upstream's chat-completions reply (streamed or whole) into another API's reply,
+    for an upstream that lacks that API (:meth:`ChatAPI.from_chat`)."""
+
+    content_type: str  # of the translated reply (e.g. text/event-stream, application/json)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Upstream bytes in (split anywhere), the client's bytes out (possibly empty)."""
+        ...
+
+    def finish(self) -> bytes:
+        """What is left once the upstream's body ended."""
+        ...
+
+
 class ChatAPI(Protocol):
     """One chat API's wire format."""
 
-    name: str  # e.g. "openai-chat"
+    name: str  # e.g. "openai-chat"; recorded as the protocol of each archived turn
+    paths: tuple[str, ...]  # the request paths it serves (forwarded to the same upstream path)
     expansion: bool  # whether Engram may add its tool-result expansion tool (OpenAI tools)
 
     def parse(self, raw: bytes) -> Conversation:
@@ -72,4 +92,20 @@ class ChatAPI(Protocol):
 
     def reader(self, event_stream: bool) -> ReplyReader:
         """A reader for the upstream's reply (``text/event-stream`` or a whole body)."""
+        ...
+
+    def error_body(
+        self, status: int, type: str, message: str, code: str | None, param: str | None
+    ) -> dict[str, Any]:
+        """Engram's own error in this API's shape (the middleware renders every error on the
+        adapter's paths with it)."""
+        ...
+
+    def to_chat(self, conv: Conversation, messages: list[Message]) -> dict[str, Any]:
+        """The request as an OpenAI chat-completions body, for an upstream that lacks this API
+        (``messages``: the neutral messages to send)."""
+        ...
+
+    def from_chat(self, conv: Conversation, event_stream: bool) -> ReplyTranslator:
+        """Translates the upstream's chat-completions reply into this API's reply."""
         ...

@@ -45,6 +45,7 @@ def to_new_turns(
     *,
     incomplete: bool = False,
     max_bytes: int = 0,
+    api: str | None = None,
 ) -> list[NewTurn]:
     """Archive rows for ``messages`` (already known new), positions from ``first``; a text
     longer than ``max_bytes`` (UTF-8; 0: any length) is stored cut, with a note."""
@@ -72,6 +73,7 @@ def to_new_turns(
                 incomplete=incomplete,
                 content_hash=chain,
                 embed_hash=text_hash(embed_text(role, name, text)),
+                api=api,
             )
         )
     return out
@@ -119,6 +121,7 @@ class Archive:
                 self.redact_secrets,
                 now,
                 max_bytes=self.max_bytes,
+                api=mt.api,
             )
 
         chars = sum(len(content_text(m.get("content"))) for m in new)
@@ -153,6 +156,7 @@ class Archive:
                     now,
                     incomplete=not complete,
                     max_bytes=self.max_bytes,
+                    api=mt.api,
                 )
 
             # A long reply is redacted on a thread: the client is waiting for its last byte.

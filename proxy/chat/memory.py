@@ -169,6 +169,7 @@ class MemoryService:
         )
         mt = MemoryTurn(ident, messages, chains, query_vector=query)
         mt.model = conv.model
+        mt.api = conv.api
         if housekeeping:
             mt.skipped = "housekeeping"
             return mt

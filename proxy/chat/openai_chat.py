@@ -8,7 +8,7 @@ from typing import Any
 
 from proxy import json_input
 from proxy.chat.api import Conversation, Message
-from proxy.errors import BadRequest
+from proxy.errors import BadRequest, error_body
 from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
 from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
@@ -20,6 +20,7 @@ class OpenAIChat:
     """Requests and replies of ``/v1/chat/completions``."""
 
     name = "openai-chat"
+    paths: tuple[str, ...] = ("/v1/chat/completions", "/chat/completions")
     expansion = True
 
     def parse(self, raw: bytes) -> Conversation:
@@ -44,6 +45,30 @@ class OpenAIChat:
 
     def reader(self, event_stream: bool) -> StreamReader | WholeReader:
         return StreamReader() if event_stream else WholeReader()
+
+    def error_body(
+        self, status: int, type: str, message: str, code: str | None, param: str | None
+    ) -> dict[str, Any]:
+        return error_body(message, type, code=code, param=param)
+
+    def to_chat(self, conv: Conversation, messages: list[Message]) -> dict[str, Any]:
+        return {**conv.body, "messages": messages}  # it is chat completions: never translated
+
+    def from_chat(self, conv: Conversation, event_stream: bool) -> Unchanged:
+        return Unchanged("text/event-stream" if event_stream else "application/json")
+
+
+class Unchanged:
+    """The identity translation (chat completions is already chat completions)."""
+
+    def __init__(self, content_type: str) -> None:
+        self.content_type = content_type
+
+    def feed(self, chunk: bytes) -> bytes:
+        return chunk
+
+    def finish(self) -> bytes:
+        return b""
 
 
 class StreamReader:

@@ -34,6 +34,7 @@ class MemoryTurn:
     chains: list[str]
     forward_messages: list[dict[str, Any]] | None = None  # what to forward instead, when changed
     model: str | None = None
+    api: str | None = None  # the chat API the request came through (recorded per turn)
     assembly: Assembly | None = None
     summary: str | None = None
     previous_start: int | None = None  # where this conversation's last window began

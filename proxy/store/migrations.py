@@ -68,12 +68,13 @@ Conventions the schema fixes (migration 1):
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 
-from proxy.store.db import Connection, driver
+from proxy.store import migrations_later as later
+from proxy.store.db import Connection
 from proxy.store.fts_sql import fts_insert_trigger_sql, fts_triggers_sql
+from proxy.store.migrations_later import execute_script as _execute_script
 from proxy.store.scrub import ensure_incremental_vacuum
 
 FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
@@ -81,23 +82,6 @@ FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
 
 EMBED_DIM = 384
 """Vector length of ``turn_vec.embedding``."""
-
-
-def _execute_script(conn: Connection, script: str) -> None:
-    """Run ``script`` statement by statement inside the caller's transaction.
-
-    ``executescript`` would COMMIT the open transaction first, breaking one-migration-one-
-    transaction; trigger bodies hold semicolons, so split on complete statements.
-    """
-    pending = ""
-    for line in script.splitlines(keepends=True):
-        pending += line
-        if driver().module.complete_statement(pending):
-            conn.execute(pending)
-            pending = ""
-    leftover = [ln for ln in pending.splitlines() if ln.strip() and not ln.strip().startswith("--")]
-    if leftover:
-        raise ValueError(f"incomplete SQL statement in migration: {pending.strip()[:80]!r}")
 
 
 def _m001_initial(conn: Connection) -> None:
@@ -311,76 +295,6 @@ def _m006_deferred_index(conn: Connection) -> None:
     )
 
 
-def _m007_session_names(conn: Connection) -> None:
-    """``sessions.name``: the owner's id for the session, unique per user (see the module)."""
-    _execute_script(
-        conn,
-        """
-        ALTER TABLE sessions ADD COLUMN name TEXT;
-        UPDATE sessions SET name = id;
-        """,
-    )
-    taken = {(str(u), str(n)) for u, n in conn.execute("SELECT user_id, name FROM sessions")}
-    rows = conn.execute("SELECT id, user_id FROM sessions WHERE id LIKE '%~%'").fetchall()
-    for sid, user in rows:
-        base, _, suffix = str(sid).rpartition("~")
-        mine = hashlib.sha256(str(user).encode()).hexdigest()[:8]
-        if base and suffix == mine and (str(user), base) not in taken:
-            conn.execute("UPDATE sessions SET name = ? WHERE id = ?", (base, sid))
-            taken.add((str(user), base))
-    _execute_script(conn, "CREATE UNIQUE INDEX sessions_name ON sessions(user_id, name);")
-
-
-def _m008_api_keys(conn: Connection) -> None:
-    """Engram's own API keys (``auth.mode = "keys"``): a key names its user; only a hash of
-    its secret part is kept. Not tied to ``users`` by a foreign key: a key may be made for a
-    user before that user has any memory, and forgetting a user's memory keeps their key."""
-    _execute_script(
-        conn,
-        """
-        CREATE TABLE api_keys (
-            id          TEXT PRIMARY KEY,       -- the public part, shown by `engram keys list`
-            user_id     TEXT NOT NULL,
-            secret_hash TEXT NOT NULL,          -- sha256 of the secret part, hex
-            admin       INTEGER NOT NULL DEFAULT 0,
-            label       TEXT NOT NULL DEFAULT '',
-            created_at  REAL NOT NULL,
-            revoked_at  REAL                    -- NULL while the key works
-        );
-        CREATE INDEX api_keys_user ON api_keys(user_id);
-        """,
-    )
-
-
-def _m009_forgetting(conn: Connection) -> None:
-    """Deleting a session deletes what was derived from it: memory items made from it anywhere
-    (a sub-agent's hand-back into its parent, facts) and the tool-result slots only it used."""
-    _execute_script(
-        conn,
-        """
-        DROP TRIGGER sessions_ad_facts;
-        -- Forgetting a session forgets every item distilled from it (hand-backs, facts).
-        CREATE TRIGGER sessions_ad_items AFTER DELETE ON sessions BEGIN
-            DELETE FROM turns WHERE source_session = old.id;
-        END;
-        -- Which session used which slot (no FK: its session may not be stored yet).
-        CREATE TABLE slot_sessions (
-            session_id TEXT NOT NULL,
-            slot_id    TEXT NOT NULL,
-            user_id    TEXT NOT NULL,
-            expires_at REAL NOT NULL,
-            PRIMARY KEY (session_id, slot_id)
-        ) WITHOUT ROWID;
-        CREATE INDEX slot_sessions_slot ON slot_sessions(user_id, slot_id);
-        CREATE INDEX slot_sessions_expires ON slot_sessions(expires_at);
-
-        CREATE TRIGGER users_ad_slot_sessions AFTER DELETE ON users BEGIN
-            DELETE FROM slot_sessions WHERE user_id = old.id;
-        END;
-        """,
-    )
-
-
 Migration = Callable[[Connection], None]
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = (
@@ -390,9 +304,10 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (4, _m004_feedback),
     (5, _m005_slots),
     (6, _m006_deferred_index),
-    (7, _m007_session_names),
-    (8, _m008_api_keys),
-    (9, _m009_forgetting),
+    (7, later.m007_session_names),
+    (8, later.m008_api_keys),
+    (9, later.m009_forgetting),
+    (10, later.m010_turn_api),
 )
 """(version, function), ascending. Append only."""
 

@@ -99,6 +99,8 @@ class NewTurn:
     embed_hash: str | None = None
     """:func:`text_hash` of the text its vector was computed from; defaults to that of
     ``content``. Only stored when a vector is."""
+    api: str | None = None
+    """The chat API it came through (``openai-chat``, ``anthropic``, …); None: imported."""
 
     def identity(self) -> str:
         """``content_hash``, or the :func:`message_hash` of this message."""
@@ -126,6 +128,7 @@ class Turn:
     token_count: int | None
     content_hash: str
     incomplete: bool
+    api: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,7 +211,7 @@ def insert_turns(
         cur = conn.execute(
             "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
             " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete,"
-            " fts_pending) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " fts_pending, api) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(session_id, position) DO NOTHING",
             (
                 session_id,
@@ -230,6 +230,7 @@ def insert_turns(
                 embed_hash,
                 int(turn.incomplete),
                 int(fts_pending),
+                turn.api,
             ),
         )
         if cur.rowcount != 1 or cur.lastrowid is None:

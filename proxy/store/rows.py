@@ -18,7 +18,7 @@ SESSION_COLS = (
 )
 TURN_COLS = (
     "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
-    "timestamp, token_count, content_hash, incomplete"
+    "timestamp, token_count, content_hash, incomplete, api"
 )
 TURN_COLS_T = ", ".join(f"t.{c.strip()}" for c in TURN_COLS.split(","))
 
@@ -55,6 +55,7 @@ def turn_of(row: Sequence[Any]) -> Turn:
         token_count=row[10],
         content_hash=row[11],
         incomplete=bool(row[12]),
+        api=row[13],
     )
 
 

@@ -100,6 +100,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "incomplete",
         "source_session",
         "fts_pending",
+        "api",
     ]
     assert _objects(conn, "trigger") == {
         "turns_ai",

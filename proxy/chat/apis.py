@@ -1,0 +1,20 @@
+"""The chat APIs Engram serves through the memory pipeline, each by its adapter
+(:class:`proxy.chat.api.ChatAPI`). The app routes every path of each to a pipeline of its own."""
+
+from __future__ import annotations
+
+from proxy.chat.api import ChatAPI
+from proxy.chat.openai_chat import OpenAIChat
+
+
+def chat_apis() -> list[ChatAPI]:
+    """One adapter per API, OpenAI chat completions first."""
+    return [OpenAIChat()]
+
+
+def api_for_path(apis: list[ChatAPI], path: str) -> ChatAPI | None:
+    """The adapter serving ``path``, if any."""
+    for api in apis:
+        if path in api.paths:
+            return api
+    return None
