@@ -49,7 +49,7 @@ class OllamaChat:
     """Requests and replies of Ollama's ``/api/chat``."""
 
     name = "ollama-chat"
-    paths = ("/api/chat",)
+    paths: tuple[str, ...] = ("/api/chat",)
     expansion = False  # Engram's expansion tool is offered in OpenAI's tool loop only
 
     def parse(self, raw: bytes) -> Conversation:
