@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import httpx
 import ollama
 import openai
 import pytest
@@ -20,14 +21,17 @@ from proxy.chat.fence import BLOCK_OPEN
 from proxy.services import SERVICES
 from proxy.store.models import Turn
 from testing.fake_ollama import (
+    NDJSON,
     PNG,
     error_reply,
     json_reply,
+    ndjson,
     ndjson_reply,
+    reply_lines,
     tool_call,
     violations,
 )
-from testing.fake_upstream import FakeUpstream, RecordedRequest
+from testing.fake_upstream import FakeUpstream, RecordedRequest, StreamReply
 from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
@@ -372,3 +376,22 @@ async def test_upstream_errors_are_relayed_as_sent(
     await client(engram).chat(model="m", messages=[{"role": "user", "content": "hi"}])
     assert [r.path for r in fake.requests if "chat" in r.path] == ["/api/chat", "/api/chat"]
     await asyncio.sleep(0)
+
+
+async def test_upstream_dying_mid_stream_archives_what_came_as_incomplete(
+    engram: Engram, fake: FakeUpstream, client: Client
+) -> None:
+    lines = ndjson(reply_lines("half of a long answer"))
+    fake.enqueue(StreamReply(lines, delay=0.05, die_after=3, content_type=NDJSON), path="/api/chat")
+    got: list[str] = []
+    # The connection ends mid-body, as the upstream's did: httpx (under the client) raises.
+    with pytest.raises(httpx.RemoteProtocolError):
+        async for part in await client(engram, "lena").chat(
+            model="m", messages=[{"role": "user", "content": "talk"}], stream=True
+        ):
+            got.append(part.message.content or "")
+    assert "".join(got) == "half of a"
+    await settle(engram)
+    turns = await turns_of(engram, "lena")
+    assert [(t.role, t.incomplete) for t in turns] == [("user", False), ("assistant", True)]
+    assert turns[-1].content == "half of a"
