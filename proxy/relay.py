@@ -97,8 +97,8 @@ async def relay(
 
     ``tap(chunk)`` returns True for the chunk that ends an event stream's (or NDJSON stream's)
     reply; ``finish`` runs (and must not raise) before the bytes from there on, or the body's last
-    chunk, are sent. ``translate``: the client gets ``translate.feed`` of each upstream chunk
-    (``tap`` still sees the upstream's own bytes) and its ``finish`` at the end."""
+    chunk, are sent. ``translate``: the client gets ``translate.feed`` of each upstream chunk and
+    its ``finish`` at the end, and ``tap`` sees those translated bytes (what the client got)."""
     outcome = RelayOutcome()
     try:
         if _small_and_whole(upstream):
@@ -126,10 +126,10 @@ async def relay(
                 break
             if not chunk:
                 break
-            if tap is not None and tap(chunk):
-                ended = True
             if translate is not None:
                 chunk = translate.feed(chunk)
+            if tap is not None and chunk and tap(chunk):
+                ended = True
             if finish is not None and (ended or not streams):
                 chunk, held = (b"", held + chunk) if ended else (held, chunk)
             if not chunk:
@@ -140,7 +140,10 @@ async def relay(
                 outcome.client_gone = True
                 return resp, outcome
         if translate is not None and not outcome.upstream_failed:
-            held += translate.finish()
+            tail = translate.finish()
+            if tap is not None and tail:
+                tap(tail)
+            held += tail
         try:
             if outcome.upstream_failed:
                 if held:
@@ -193,13 +196,13 @@ async def _relay_small(
         raise UpstreamUnavailable(
             "The upstream model server closed the connection before its reply was complete."
         ) from None
-    if tap is not None:
-        tap(body)
     headers = response_headers(upstream.headers, keep_cors=keep_cors)
     headers.popall("Content-Length", None)
     if translate is not None:
         body = translate.feed(body) + translate.finish()
         headers["Content-Type"] = translate.content_type
+    if tap is not None:
+        tap(body)
     if extra_headers:
         headers.update(extra_headers)
     outcome.ended_cleanly = True

@@ -48,6 +48,7 @@ from proxy.upstream import (
 log = logging.getLogger("engram.pipeline")
 
 MEMORY_MODES = ("on", "off", "read-only", "write-only")
+SSE = "text/event-stream"
 
 
 ReplyHook = Callable[[ChatTurn], Coroutine[Any, Any, None]]
@@ -146,7 +147,9 @@ class ChatPipeline:
         if up is None:  # the upstream lacks this API: chat completions, translated both ways
             up, translate = await self._translated(request, turn)
         turn.status = up.status
-        reader = (OpenAIChat() if translate is not None else self.api).reader(is_event_stream(up))
+        # The reply is read as the client gets it (translated or not), in this API's shape.
+        sse = translate.content_type == SSE if translate is not None else is_event_stream(up)
+        reader = self.api.reader(sse)
 
         async def finish() -> None:
             """The reply is whole: archive the turn before the client gets the last bytes."""
