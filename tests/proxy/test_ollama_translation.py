@@ -115,13 +115,6 @@ async def test_tool_calls_are_translated_both_ways(
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the pipeline to archive a translated reply as the adapter's own reader reads "
-    "the translated bytes (relay taps translate.feed's output); today it is read from the "
-    "upstream's chat completions, keeping the upstream's call ids, which the ollama client "
-    "drops on resend, so the conversation forks",
-)
 async def test_translated_tool_call_reply_matches_its_resend_in_the_archive(
     engram: Engram, fake: FakeUpstream, c: ollama.AsyncClient
 ) -> None:
