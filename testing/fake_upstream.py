@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from testing import fake_ollama
 from testing.fake_anthropic import messages_routes
 from testing.fake_chunks import (
     chat_chunks,
@@ -40,7 +41,6 @@ from testing.fake_chunks import (
     last_user_text,
     llamacpp_error,
     make_usage,
-    ollama_chat,
     openai_error,
     response_events,
     response_object,
@@ -356,17 +356,7 @@ class FakeUpstream:
         return web.json_response({"tokens": list(range(1, n + 1))})
 
     async def _ollama_chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        payload = self._parse(body)
-        if isinstance(payload, web.Response):
-            return payload
-        text = f"echo: {last_user_text(payload.get('messages'))}"
-        model = str(payload.get("model") or self.model)
-        stream = payload.get("stream") is not False
-        lines = ollama_chat(text, model=model, stream=stream)
-        if not stream:
-            return web.json_response(lines[0])
-        events = [json.dumps(line).encode() + b"\n" for line in lines]
-        return await self._stream(request, StreamReply(events, content_type="application/x-ndjson"))
+        return await fake_ollama.chat(request, body, self.model)
 
 
 async def _serve(host: str, port: int, flavor: str) -> None:

@@ -42,6 +42,9 @@ class Conversation:
     # Body fields that name the user or the session (``user``, ``safety_identifier``,
     # ``metadata.session_id``), in OpenAI's shape, for :func:`proxy.chat.identity.identify`.
     hints: Mapping[str, Any] | None = None
+    # The context size this request itself sets (Ollama's ``options.num_ctx``): the prompt's
+    # budget is sized by it instead of the upstream's default context.
+    context_size: int | None = None
     api: str | None = None  # the adapter's name (set by the pipeline), recorded per turn
     # The body must be re-encoded from the messages even when the memory stages change nothing
     # (an adapter that puts a client's body into the shape strict chat templates need).

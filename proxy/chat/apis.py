@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from proxy.chat.anthropic import AnthropicMessages
 from proxy.chat.api import ChatAPI
+from proxy.chat.ollama import OllamaChat
 from proxy.chat.openai_chat import OpenAIChat
 
 
 def chat_apis() -> list[ChatAPI]:
     """One adapter per API, OpenAI chat completions first."""
-    return [OpenAIChat(), AnthropicMessages()]
+    return [OpenAIChat(), AnthropicMessages(), OllamaChat()]
 
 
 def api_for_path(apis: list[ChatAPI], path: str) -> ChatAPI | None:

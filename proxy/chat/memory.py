@@ -191,7 +191,9 @@ class MemoryService:
         placement = await self.store.read(lambda c: place(c, req, now))
         mt.placement = placement if write or not placement.created else None
         try:
-            await self.rewriter.compose(mt, conv.reply_tokens, recall=recall)
+            await self.rewriter.compose(
+                mt, conv.reply_tokens, recall=recall, context_size=conv.context_size
+            )
         finally:
             # The archive rows are made while the upstream answers; the commit writes them.
             if write and mt.placement is not None:

@@ -85,10 +85,17 @@ class Rewriter:
         self.windows: LRU[str, int] = LRU(WINDOWS)
         self.fence_secret = secrets.token_bytes(32)  # the memory block's tags (fence.block_tag)
 
-    async def compose(self, mt: MemoryTurn, reply_tokens: int | None, recall: bool) -> None:
-        """Recall memories for what the window does not hold, then assemble the prompt."""
+    async def compose(
+        self,
+        mt: MemoryTurn,
+        reply_tokens: int | None,
+        recall: bool,
+        context_size: int | None = None,
+    ) -> None:
+        """Recall memories for what the window does not hold, then assemble the prompt.
+        ``context_size``: the context the request itself sets (Ollama's ``num_ctx``), if any."""
         s = self.settings
-        budget = mt.budget = await self.budget(reply_tokens, mt.model)
+        budget = mt.budget = await self.budget(reply_tokens, mt.model, context_size)
         sizes = await self.message_sizes(mt)
         model = mt.model
         view = mt.view = await self.slot_view(mt)
@@ -146,16 +153,21 @@ class Rewriter:
             self.windows[sid] = final.window_start if final.rewritten else -1
             self.last_requests[sid] = (time.time(), final)
 
-    async def budget(self, reply_tokens: int | None, model: str | None) -> int | None:
-        """Prompt tokens available: the context size minus the room kept for the reply (what
-        the client asked for, else ``prompt.reply_reserve`` up to a quarter of the context)."""
-        if self.context_size is None:
-            return None
-        try:
-            ctx = await self.context_size(model)
-        except Exception:
-            log.exception("could not learn the upstream's context size")
-            return None
+    async def budget(
+        self, reply_tokens: int | None, model: str | None, context_size: int | None = None
+    ) -> int | None:
+        """Prompt tokens available: the context size (the request's own, else the upstream's)
+        minus the room kept for the reply (what the client asked for, else
+        ``prompt.reply_reserve`` up to a quarter of the context)."""
+        ctx = context_size
+        if ctx is None:
+            if self.context_size is None:
+                return None
+            try:
+                ctx = await self.context_size(model)
+            except Exception:
+                log.exception("could not learn the upstream's context size")
+                return None
         if not ctx:
             return None
         reserve = reply_tokens or min(self.settings.prompt.reply_reserve, ctx // 4)
