@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from proxy.chat.api import ChatAPI
 from proxy.chat.openai_chat import OpenAIChat
+from proxy.chat.responses import OpenAIResponses
 
 
 def chat_apis() -> list[ChatAPI]:
     """One adapter per API, OpenAI chat completions first."""
-    return [OpenAIChat()]
+    return [OpenAIChat(), OpenAIResponses()]
 
 
 def api_for_path(apis: list[ChatAPI], path: str) -> ChatAPI | None:
