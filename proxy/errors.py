@@ -81,6 +81,18 @@ class PayloadTooLarge(EngramError):
     code = "request_too_large"
 
 
+class UpstreamRejected(EngramError):
+    """The upstream's error to a request Engram translated to chat completions (the client's
+    API lacks a route there), re-shaped into the client's API with the upstream's status."""
+
+    type = "api_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"The upstream model server answered {status}: {message}")
+        self.status = status
+        self.code = "upstream_error"
+
+
 class ServiceUnavailable(EngramError):
     status = 503
     type = "server_error"

@@ -17,7 +17,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -59,6 +59,21 @@ def is_event_stream(resp: aiohttp.ClientResponse) -> bool:
     return resp.content_type == "text/event-stream"
 
 
+def is_ndjson(resp: aiohttp.ClientResponse) -> bool:
+    """Ollama's streams: one JSON object a line."""
+    return resp.content_type in ("application/x-ndjson", "application/ndjson")
+
+
+class Translation(Protocol):
+    """Rewrites the upstream's bytes for the client (:class:`proxy.chat.api.ReplyTranslator`)."""
+
+    content_type: str
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+
 @dataclass
 class RelayOutcome:
     """How a relay ended."""
@@ -76,27 +91,31 @@ async def relay(
     extra_headers: Mapping[str, str] | None = None,
     tap: Callable[[bytes], bool | None] | None = None,
     finish: Callable[[], Awaitable[None]] | None = None,
+    translate: Translation | None = None,
 ) -> tuple[web.StreamResponse, RelayOutcome]:
     """Stream ``upstream`` back to the client. Always closes or releases ``upstream``.
 
-    ``tap(chunk)`` returns True for the chunk that ends an event stream's reply; ``finish`` runs
-    (and must not raise) before the bytes from there on, or the body's last chunk, are sent."""
+    ``tap(chunk)`` returns True for the chunk that ends an event stream's (or NDJSON stream's)
+    reply; ``finish`` runs (and must not raise) before the bytes from there on, or the body's last
+    chunk, are sent. ``translate``: the client gets ``translate.feed`` of each upstream chunk
+    (``tap`` still sees the upstream's own bytes) and its ``finish`` at the end."""
     outcome = RelayOutcome()
     try:
         if _small_and_whole(upstream):
-            whole = await _relay_small(upstream, outcome, keep_cors, extra_headers, tap)
+            whole = await _relay_small(upstream, outcome, keep_cors, extra_headers, tap, translate)
             if finish is not None and outcome.ended_cleanly:
                 await finish()
             return whole, outcome
-        resp = web.StreamResponse(
-            status=upstream.status,
-            reason=upstream.reason,
-            headers=response_headers(upstream.headers, keep_cors=keep_cors),
-        )
+        headers = response_headers(upstream.headers, keep_cors=keep_cors)
+        if translate is not None:
+            headers.popall("Content-Length", None)
+            headers["Content-Type"] = translate.content_type
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         if extra_headers:
             resp.headers.update(extra_headers)
         await resp.prepare(request)
         sse = is_event_stream(upstream)
+        streams = sse or is_ndjson(upstream)  # held back from the end marker, not chunk by chunk
         held = b""  # what waits for ``finish``
         ended = False  # the event stream's end was seen: everything from there on is held
         while True:
@@ -109,7 +128,9 @@ async def relay(
                 break
             if tap is not None and tap(chunk):
                 ended = True
-            if finish is not None and (ended or not sse):
+            if translate is not None:
+                chunk = translate.feed(chunk)
+            if finish is not None and (ended or not streams):
                 chunk, held = (b"", held + chunk) if ended else (held, chunk)
             if not chunk:
                 continue
@@ -118,11 +139,13 @@ async def relay(
             except ConnectionResetError:
                 outcome.client_gone = True
                 return resp, outcome
+        if translate is not None and not outcome.upstream_failed:
+            held += translate.finish()
         try:
             if outcome.upstream_failed:
                 if held:
                     await resp.write(held)
-                await _report_upstream_death(request, resp, sse)
+                await _report_upstream_death(request, resp, sse and translate is None)
                 return resp, outcome
             if finish is not None:
                 await finish()
@@ -161,6 +184,7 @@ async def _relay_small(
     keep_cors: bool,
     extra_headers: Mapping[str, str] | None,
     tap: Callable[[bytes], bool | None] | None,
+    translate: Translation | None,
 ) -> web.Response:
     try:
         body = await upstream.read()
@@ -173,6 +197,9 @@ async def _relay_small(
         tap(body)
     headers = response_headers(upstream.headers, keep_cors=keep_cors)
     headers.popall("Content-Length", None)
+    if translate is not None:
+        body = translate.feed(body) + translate.finish()
+        headers["Content-Type"] = translate.content_type
     if extra_headers:
         headers.update(extra_headers)
     outcome.ended_cleanly = True

@@ -129,6 +129,29 @@ class UpstreamInfo:
     context_size: int | None = None
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
+def path_unknown(body: bytes) -> bool:
+    """Whether a 404's body says the path is unknown (llama-server's "File Not Found", a bare
+    404) rather than that a model is (Ollama answers 404 for "model 'x' not found")."""
+    return b"model" not in body.lower()
+
+
+def upstream_message(body: bytes) -> str:
+    """The message of an upstream error body (OpenAI's, Ollama's or any JSON), else its text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:500] or "(no body)"
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return str(err["message"])[:500]
+    if isinstance(err, str):
+        return err[:500]
+    return json.dumps(data)[:500]
+
+
 class Upstream:
     """The pooled HTTP client to the model server. Create inside a running event loop."""
 
@@ -140,6 +163,8 @@ class Upstream:
         self.settings = settings
         self.info = info
         self._replace_key = bool(settings.api_key) or not keep_client_key
+        # Chat APIs (adapter names) this upstream answered 404 for: translated from then on.
+        self.missing_apis: set[str] = set()
         self.base = URL(info.url)
         self._ctx_cache: dict[str, tuple[int | None, float]] = {}  # key -> (size, when)
         self._ctx_lock = asyncio.Lock()

@@ -20,20 +20,30 @@ from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from proxy.auth import ANONYMOUS, PRINCIPAL
-from proxy.chat.api import ChatAPI
+from proxy.chat.api import ChatAPI, ReplyTranslator
 from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
 from proxy.chat.openai_chat import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
-from proxy.errors import BadRequest, EngramError
-from proxy.relay import is_event_stream, read_body, relay
+from proxy.errors import BadRequest, EngramError, UpstreamRejected
+from proxy.logs import event
+from proxy.relay import encode_json, is_event_stream, read_body, relay
 from proxy.slots.expand import can_add_tool
 from proxy.slots.loop import Expander, Outcome
 from proxy.tasks import BackgroundTasks
-from proxy.upstream import Upstream, check_target, forward_headers
+from proxy.upstream import (
+    CHAT_PATH,
+    Upstream,
+    check_target,
+    forward_headers,
+    path_unknown,
+    response_headers,
+    upstream_message,
+)
 
 log = logging.getLogger("engram.pipeline")
 
@@ -122,11 +132,21 @@ class ChatPipeline:
             if response is not None:
                 return response
             # The upstream rejected the tool: the request goes as the plain rewrite.
-        up = await self.upstream.send(
-            request.method, request.raw_path, forward_headers(request.headers), payload
-        )
+        translate: ReplyTranslator | None = None
+        up: aiohttp.ClientResponse | None = None
+        if self.api.name not in self.upstream.missing_apis:
+            up = await self.upstream.send(
+                request.method, request.raw_path, forward_headers(request.headers), payload
+            )
+            if up.status == 404 and self.api.name != OpenAIChat.name:
+                answer = await self._maybe_missing(up, turn)
+                if answer is not None:
+                    return answer
+                up = None
+        if up is None:  # the upstream lacks this API: chat completions, translated both ways
+            up, translate = await self._translated(request, turn)
         turn.status = up.status
-        reader = self.api.reader(is_event_stream(up))
+        reader = (OpenAIChat() if translate is not None else self.api).reader(is_event_stream(up))
 
         async def finish() -> None:
             """The reply is whole: archive the turn before the client gets the last bytes."""
@@ -142,6 +162,7 @@ class ChatPipeline:
                 extra_headers=turn.response_headers,
                 tap=reader.feed,
                 finish=finish if self._archives(turn) else None,
+                translate=translate,
             )
             ended_cleanly = outcome.ended_cleanly
             turn.client_gone = outcome.client_gone
@@ -153,6 +174,46 @@ class ChatPipeline:
         finally:
             turn.reply = reader.finish(ended_cleanly=ended_cleanly)
             self._after_reply(turn)
+
+    async def _maybe_missing(
+        self, up: aiohttp.ClientResponse, turn: ChatTurn
+    ) -> web.StreamResponse | None:
+        """A 404 on this API's path: None when it says the path is unknown (remembered for this
+        upstream, said once in the log); else the upstream's answer, relayed as sent."""
+        body = await up.read()
+        up.release()
+        if not path_unknown(body):  # e.g. Ollama's "model not found": relayed as sent
+            turn.status = 404
+            headers = response_headers(up.headers, keep_cors=self.keep_cors)
+            headers.popall("Content-Length", None)
+            headers.update(turn.response_headers)
+            return web.Response(status=404, body=body, headers=headers)
+        self.upstream.missing_apis.add(self.api.name)
+        event(
+            log,
+            logging.WARNING,
+            "the upstream has no route for this chat API: its requests are translated to "
+            "chat completions and back from now on",
+            api=self.api.name,
+            path=self.api.paths[0],
+        )
+        return None
+
+    async def _translated(
+        self, request: web.Request, turn: ChatTurn
+    ) -> tuple[aiohttp.ClientResponse, ReplyTranslator]:
+        """The request sent as chat completions; the upstream's error re-shaped into this API's
+        (raised), or the response with the translator of its reply."""
+        messages = turn.forwarded if turn.forwarded is not None else turn.conv.messages
+        body = encode_json(self.api.to_chat(turn.conv, messages))
+        up = await self.upstream.send(
+            "POST", CHAT_PATH, forward_headers(request.headers, drop=("Accept",)), body
+        )
+        if up.status != 200:
+            error = await up.read()
+            up.release()
+            raise UpstreamRejected(up.status, upstream_message(error))
+        return up, self.api.from_chat(turn.conv, is_event_stream(up))
 
     async def _remember(self, request: web.Request, turn: ChatTurn) -> None:
         """The memory stages before forwarding. A failure degrades memory, never the request."""

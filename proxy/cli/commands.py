@@ -128,9 +128,7 @@ async def search(args: argparse.Namespace, settings: Settings, store: Store) -> 
         ranks = "  ".join(f"{p} {hit.ranks.get(p) or '-':>3}" for p in ("fts", "vec"))
         t = hit.turn
         via = f"  via {t.api}" if t.api else ""
-        print(
-            f"{i:>3}. {hit.score:.4f}  {ranks}  {api.iso(t.timestamp)[:16]}  {t.session_id}{via}"
-        )
+        print(f"{i:>3}. {hit.score:.4f}  {ranks}  {api.iso(t.timestamp)[:16]}  {t.session_id}{via}")
         print(f"     {t.speaker or t.role}: {_one_line(t.content)}")
     return 0
 
