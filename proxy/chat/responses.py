@@ -92,13 +92,8 @@ class OpenAIResponses:
     def encode(self, conv: Conversation, messages: list[Message]) -> bytes:
         return encode_json(encode_input(conv.body, conv.messages, messages))
 
-    def reader(
-        self, event_stream: bool, conv: Conversation | None = None
-    ) -> StreamReader | WholeReader:
-        # With previous_response_id the upstream counts history Engram never saw: its prompt
-        # tokens would mislead the token calibration (proxy.tokens), so they are not reported.
-        stateful = conv is not None and bool(conv.body.get("previous_response_id"))
-        return StreamReader(stateful) if event_stream else WholeReader(stateful)
+    def reader(self, event_stream: bool) -> StreamReader | WholeReader:
+        return StreamReader() if event_stream else WholeReader()
 
     def error_body(
         self, status: int, type: str, message: str, code: str | None, param: str | None

@@ -22,16 +22,16 @@ from proxy.sse import AssembledReply, SSEParser
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 
 
-def chat_usage(usage: Any, stateful: bool = False) -> dict[str, Any] | None:
-    """Responses usage (``input_tokens``, ``output_tokens``) in chat completions' terms; only
-    the reply's tokens when the upstream held history Engram did not see (``stateful``)."""
+def chat_usage(usage: Any) -> dict[str, Any] | None:
+    """Responses usage (``input_tokens``, ``output_tokens``) in chat completions' terms."""
     if not isinstance(usage, Mapping):
         return None
     out: dict[str, Any] = {}
-    pairs = [("completion_tokens", "output_tokens")]
-    if not stateful:
-        pairs += [("prompt_tokens", "input_tokens"), ("total_tokens", "total_tokens")]
-    for ours, theirs in pairs:
+    for ours, theirs in (
+        ("prompt_tokens", "input_tokens"),
+        ("completion_tokens", "output_tokens"),
+        ("total_tokens", "total_tokens"),
+    ):
         if isinstance(usage.get(theirs), int):
             out[ours] = usage[theirs]
     return out or None
@@ -82,19 +82,19 @@ def _reasoning_texts(item: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _head(reply: AssembledReply, response: Mapping[str, Any], stateful: bool) -> None:
+def _head(reply: AssembledReply, response: Mapping[str, Any]) -> None:
     if isinstance(response.get("id"), str):
         reply.id = response["id"]
     if isinstance(response.get("model"), str):
         reply.model = response["model"]
-    usage = chat_usage(response.get("usage"), stateful)
+    usage = chat_usage(response.get("usage"))
     if usage is not None:
         reply.usage = usage
     if response.get("error"):
         reply.error = response["error"]
 
 
-def reply_from_response(obj: Any, stateful: bool = False) -> AssembledReply:
+def reply_from_response(obj: Any) -> AssembledReply:
     """An AssembledReply from a whole Responses API body (a response, or an error)."""
     reply = AssembledReply()
     if not isinstance(obj, Mapping):
@@ -102,7 +102,7 @@ def reply_from_response(obj: Any, stateful: bool = False) -> AssembledReply:
     if "error" in obj and obj.get("object") != "response":
         reply.error = obj["error"]
         return reply
-    _head(reply, obj, stateful)
+    _head(reply, obj)
     status = obj.get("status") if isinstance(obj.get("status"), str) else None
     reply_from_output(obj.get("output"), status, reply)
     reply.complete = status in ("completed", "incomplete") and reply.error is None
@@ -112,8 +112,7 @@ def reply_from_response(obj: Any, stateful: bool = False) -> AssembledReply:
 class StreamReader:
     """``response.*`` events; the reply ends at its terminal event."""
 
-    def __init__(self, stateful: bool = False) -> None:
-        self.stateful = stateful
+    def __init__(self) -> None:
         self.parser = SSEParser()
         self.reply = AssembledReply()
         self.items: dict[str, dict[str, Any]] = {}  # by item id (or output index), in order
@@ -153,7 +152,7 @@ class StreamReader:
             return
         response = obj.get("response")
         if isinstance(response, Mapping):
-            _head(self.reply, response, self.stateful)
+            _head(self.reply, response)
             if kind in TERMINAL:
                 self.done = True
                 self.status = response.get("status") or kind.rpartition(".")[2]
@@ -213,8 +212,7 @@ class StreamReader:
 class WholeReader:
     """A whole response body (or an error body)."""
 
-    def __init__(self, stateful: bool = False) -> None:
-        self.stateful = stateful
+    def __init__(self) -> None:
         self.chunks: list[bytes] = []
 
     def feed(self, chunk: bytes) -> bool:
@@ -227,6 +225,6 @@ class WholeReader:
             obj = json_input.loads(data) if data else None
         except (ValueError, UnicodeDecodeError):
             obj = None
-        reply = reply_from_response(obj, self.stateful)
+        reply = reply_from_response(obj)
         reply.complete = reply.complete and ended_cleanly
         return reply
