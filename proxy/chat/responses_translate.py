@@ -101,7 +101,6 @@ def to_chat(body: Mapping[str, Any], messages: Sequence[Message], stream: bool) 
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("user", "user"),
         ("safety_identifier", "safety_identifier"),
-        ("top_logprobs", "top_logprobs"),
     ):
         if body.get(ours) is not None:
             out[theirs] = body[ours]
