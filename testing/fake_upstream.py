@@ -42,14 +42,14 @@ from testing.fake_chunks import (
     llamacpp_error,
     make_usage,
     openai_error,
-    response_events,
-    response_object,
     rough_tokens,
     static_bodies,
     template_violations,
     text_of,
     words,
 )
+from testing.fake_responses import PATHS as RESPONSES_PATHS
+from testing.fake_responses import FakeResponses
 
 __all__ = [
     "FakeUpstream",
@@ -150,9 +150,10 @@ class FakeUpstream:
             ("POST", "/chat/completions"): self._chat,
             ("POST", "/v1/embeddings"): self._embeddings,
             ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/responses"): self._responses,
         }
         self._routes.update(messages_routes(self))
+        self.responses = FakeResponses(self)  # /v1/responses (testing.fake_responses)
+        self._routes.update({("POST", path): self.responses.handle for path in RESPONSES_PATHS})
         if flavor == "llamacpp":
             self._routes[("POST", "/tokenize")] = self._tokenize
         else:
@@ -335,18 +336,6 @@ class FakeUpstream:
             )
         usage = make_usage(rough_tokens(str(prompt)), rough_tokens(text))
         return web.json_response(completion_object(text, model=model, usage=usage))
-
-    async def _responses(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        payload = self._parse(body)
-        if isinstance(payload, web.Response):
-            return payload
-        text = f"echo: {last_user_text(payload.get('input', ''))}"
-        model = str(payload.get("model") or self.model)
-        if payload.get("stream"):
-            return await self._stream(
-                request, StreamReply(response_events(words(text), model=model))
-            )
-        return web.json_response(response_object(text, model=model))
 
     async def _tokenize(self, request: web.Request, body: bytes) -> web.StreamResponse:
         payload = self._parse(body)

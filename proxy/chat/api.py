@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from proxy.sse import AssembledReply
 
@@ -49,6 +49,9 @@ class Conversation:
     # The body must be re-encoded from the messages even when the memory stages change nothing
     # (an adapter that puts a client's body into the shape strict chat templates need).
     reshape: bool = False
+    # The messages are not the whole conversation (the upstream holds earlier turns, e.g. by
+    # ``previous_response_id``): the upstream's prompt token count says nothing of them.
+    partial: bool = False
 
 
 class ReplyReader(Protocol):
@@ -75,6 +78,16 @@ class ReplyTranslator(Protocol):
 
     def finish(self) -> bytes:
         """What is left once the upstream's body ended."""
+        ...
+
+
+@runtime_checkable
+class ContinuesReplies(Protocol):
+    """An API whose requests may continue a stored reply by its id (Responses'
+    ``previous_response_id``): told where each archived reply went."""
+
+    def replied(self, conv: Conversation, reply: AssembledReply, session: str) -> None:
+        """The turn was archived in ``session`` (its name)."""
         ...
 
 

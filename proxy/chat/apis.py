@@ -7,11 +7,12 @@ from proxy.chat.anthropic import AnthropicMessages
 from proxy.chat.api import ChatAPI
 from proxy.chat.ollama import OllamaChat
 from proxy.chat.openai_chat import OpenAIChat
+from proxy.chat.responses import OpenAIResponses
 
 
 def chat_apis() -> list[ChatAPI]:
     """One adapter per API, OpenAI chat completions first."""
-    return [OpenAIChat(), AnthropicMessages(), OllamaChat()]
+    return [OpenAIChat(), AnthropicMessages(), OpenAIResponses(), OllamaChat()]
 
 
 def api_for_path(apis: list[ChatAPI], path: str) -> ChatAPI | None:

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.auth import ANONYMOUS, PRINCIPAL
-from proxy.chat.api import ChatAPI, ReplyTranslator
+from proxy.chat.api import ChatAPI, ContinuesReplies, ReplyTranslator
 from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
 from proxy.chat.openai_chat import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
@@ -264,8 +264,8 @@ class ChatPipeline:
         messages = turn.forwarded if turn.forwarded is not None else turn.conv.messages
         if turn.status != 200 or not isinstance(reported, int):
             return
-        if turn.expansions:
-            return  # usage is summed over round trips: no count of this prompt alone
+        if turn.expansions or turn.conv.partial:
+            return  # usage summed over round trips, or of history Engram never saw
         if turn.memory is not None and turn.memory.skipped == TOO_MANY_MESSAGES:
             return  # a request over limits.max_messages costs nothing more than its forwarding
         tokens = self.memory.tokens
@@ -333,6 +333,10 @@ class ChatPipeline:
             raise
         except Exception:  # logged by the task set; the reply still goes out
             self.counts["archive_failures"] += 1
+            return
+        placement = turn.memory.placement
+        if isinstance(self.api, ContinuesReplies) and turn.reply and placement is not None:
+            self.api.replied(turn.conv, turn.reply, placement.session.name)
 
     def _after_reply(self, turn: ChatTurn) -> None:
         """Archive what arrived if the relay did not (the client went away, the upstream died
