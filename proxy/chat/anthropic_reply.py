@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy import json_input
 from proxy.chat.anthropic_neutral import arguments
-from proxy.sse import AssembledReply, SSEEvent, SSEParser
+from proxy.chat.wire import EventStreamReader, WholeBodyReader
+from proxy.sse import AssembledReply, SSEEvent
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -175,41 +175,15 @@ def reply_from_message(obj: Any) -> AssembledReply:
     return reply
 
 
-class StreamReader:
+class StreamReader(EventStreamReader):
     """A streamed Messages reply; it ends at ``message_stop``."""
 
     def __init__(self) -> None:
-        self.parser = SSEParser()
-        self.assembler = MessageAssembler()
-
-    def feed(self, chunk: bytes) -> bool:
-        was_done = self.assembler.done
-        for event in self.parser.feed(chunk):
-            self.assembler.add_event(event)
-        return self.assembler.done and not was_done
-
-    def finish(self, ended_cleanly: bool) -> AssembledReply:
-        for event in self.parser.close():
-            self.assembler.add_event(event)
-        return self.assembler.finish(ended_cleanly=ended_cleanly)
+        super().__init__(MessageAssembler())
 
 
-class WholeReader:
+class WholeReader(WholeBodyReader):
     """A whole Messages reply (or an error body)."""
 
     def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-
-    def feed(self, chunk: bytes) -> bool:
-        self.chunks.append(chunk)
-        return False
-
-    def finish(self, ended_cleanly: bool) -> AssembledReply:
-        data = b"".join(self.chunks)
-        try:
-            obj = json_input.loads(data) if data else None
-        except (ValueError, UnicodeDecodeError):  # not JSON, or nested too deep
-            obj = None
-        reply = reply_from_message(obj)
-        reply.complete = reply.complete and ended_cleanly
-        return reply
+        super().__init__(reply_from_message)

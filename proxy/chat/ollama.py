@@ -37,6 +37,7 @@ from proxy.chat.ollama_wire import (
     split_content,
     usage_of,
 )
+from proxy.chat.wire import json_object, json_type
 from proxy.errors import BadRequest
 from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
@@ -57,14 +58,14 @@ class OllamaChat:
         body = _parse_body(raw)
         sent = body.get("messages")
         if sent is not None and not isinstance(sent, list):
-            raise _bad(f"`messages` must be an array, not {_json_type(sent)}.", "messages")
+            raise _bad(f"`messages` must be an array, not {json_type(sent)}.", "messages")
         messages = to_neutral(sent or [])
         if _SURROGATE_ESCAPE.search(raw):
             messages = without_lone_surrogates(messages)
         options = body.get("options")
         if options is not None and not isinstance(options, dict):
             raise _bad(
-                f"`options` must be an object, not {_json_type(options)}.",
+                f"`options` must be an object, not {json_type(options)}.",
                 "options",
                 "invalid_options",
             )
@@ -114,7 +115,7 @@ def to_neutral(sent: list[Any]) -> list[Message]:
     for i, msg in enumerate(sent):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
-            raise _bad(f"`{where}` must be an object, not {_json_type(msg)}.", where)
+            raise _bad(f"`{where}` must be an object, not {json_type(msg)}.", where)
         role = msg.get("role")
         if not isinstance(role, str):
             raise _bad(f"`{where}.role` must be a string.", f"{where}.role")
@@ -122,7 +123,7 @@ def to_neutral(sent: list[Any]) -> list[Message]:
         content = msg.get("content")
         if content is not None and not isinstance(content, str):
             raise _bad(
-                f"`{where}.content` must be a string, not {_json_type(content)}.",
+                f"`{where}.content` must be a string, not {json_type(content)}.",
                 f"{where}.content",
             )
         images = msg.get("images")
@@ -274,25 +275,7 @@ class OllamaReader:
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        raise BadRequest(
-            "Request body is empty; expected a JSON object with `model` and `messages`.",
-            code="invalid_json",
-        )
-    try:
-        body = json_input.loads(raw)
-    except json_input.TooDeep:
-        raise BadRequest(
-            f"Request body nests arrays and objects deeper than {json_input.MAX_DEPTH} levels.",
-            code="json_too_deep",
-        ) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest(
-            f"Request body must be a JSON object, not {_json_type(body)}.", code="invalid_body"
-        )
-    return body
+    return json_object(raw, "`model` and `messages`")
 
 
 def _positive(value: Any) -> int | None:
@@ -306,17 +289,3 @@ def _positive(value: Any) -> int | None:
 
 def _bad(message: str, param: str, code: str = "invalid_messages") -> BadRequest:
     return BadRequest(message, param=param, code=code)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    names: dict[type, str] = {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }
-    return names.get(type(value), type(value).__name__)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy import json_input
 from proxy.chat.api import Conversation, Message
+from proxy.chat.wire import EventStreamReader, WholeBodyReader, json_object, json_type
 from proxy.errors import BadRequest, error_body, sse_error_event
 from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
-from proxy.sse import AssembledReply, ChatAssembler, SSEParser, reply_from_completion
+from proxy.sse import ChatAssembler, reply_from_completion
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -74,78 +74,36 @@ class Unchanged:
         return b""
 
 
-class StreamReader:
+class StreamReader(EventStreamReader):
     """``chat.completion.chunk`` events; the reply ends at ``data: [DONE]``."""
 
     def __init__(self) -> None:
-        self.parser = SSEParser()
-        self.assembler = ChatAssembler()
-
-    def feed(self, chunk: bytes) -> bool:
-        was_done = self.assembler.done
-        for event in self.parser.feed(chunk):
-            self.assembler.add_event(event)
-        return self.assembler.done and not was_done
-
-    def finish(self, ended_cleanly: bool) -> AssembledReply:
-        for event in self.parser.close():
-            self.assembler.add_event(event)
-        return self.assembler.finish(ended_cleanly=ended_cleanly)
+        super().__init__(ChatAssembler())
 
 
-class WholeReader:
+class WholeReader(WholeBodyReader):
     """A whole ``chat.completion`` body (or an error body)."""
 
     def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-
-    def feed(self, chunk: bytes) -> bool:
-        self.chunks.append(chunk)
-        return False
-
-    def finish(self, ended_cleanly: bool) -> AssembledReply:
-        data = b"".join(self.chunks)
-        try:
-            obj = json_input.loads(data) if data else None
-        except (ValueError, UnicodeDecodeError):  # not JSON, or nested too deep
-            obj = None
-        reply = reply_from_completion(obj)
-        reply.complete = reply.complete and ended_cleanly
-        return reply
+        super().__init__(reply_from_completion)
 
 
 def parse_chat_body(raw: bytes) -> dict[str, Any]:
     """The body as a dict, or a 400 saying precisely what is wrong with it."""
-    if not raw.strip():
-        raise BadRequest(
-            "Request body is empty; expected a JSON object with `messages`.", code="invalid_json"
-        )
-    try:
-        body = json_input.loads(raw)
-    except json_input.TooDeep:
-        raise BadRequest(
-            f"Request body nests arrays and objects deeper than {json_input.MAX_DEPTH} levels.",
-            code="json_too_deep",
-        ) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest(
-            f"Request body must be a JSON object, not {_json_type(body)}.", code="invalid_body"
-        )
+    body = json_object(raw, "`messages`")
     messages = body.get("messages")
     if messages is None:
         raise BadRequest("`messages` is required.", param="messages", code="missing_messages")
     if not isinstance(messages, list):
         raise BadRequest(
-            f"`messages` must be an array, not {_json_type(messages)}.",
+            f"`messages` must be an array, not {json_type(messages)}.",
             param="messages",
             code="invalid_messages",
         )
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise BadRequest(
-                f"`messages[{i}]` must be an object, not {_json_type(msg)}.",
+                f"`messages[{i}]` must be an object, not {json_type(msg)}.",
                 param=f"messages[{i}]",
                 code="invalid_messages",
             )
@@ -156,16 +114,3 @@ def parse_chat_body(raw: bytes) -> dict[str, Any]:
                 code="invalid_messages",
             )
     return body
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }.get(type(value), type(value).__name__)

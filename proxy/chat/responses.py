@@ -24,13 +24,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from proxy import json_input
 from proxy.cache import LRU
 from proxy.chat.api import Conversation, Message
 from proxy.chat.responses_items import encode_input, item_kind, neutral_messages
 from proxy.chat.responses_reply import StreamReader, WholeReader
 from proxy.chat.responses_stream import StreamTranslator
 from proxy.chat.responses_translate import WholeTranslator, to_chat
+from proxy.chat.wire import json_object, json_type
 from proxy.errors import BadRequest, error_body
 from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
@@ -132,23 +132,7 @@ def _text(value: Any) -> str | None:
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The body as a dict, or a 400 saying precisely what is wrong with it."""
-    if not raw.strip():
-        raise BadRequest(
-            "Request body is empty; expected a JSON object with `input`.", code="invalid_json"
-        )
-    try:
-        body = json_input.loads(raw)
-    except json_input.TooDeep:
-        raise BadRequest(
-            f"Request body nests arrays and objects deeper than {json_input.MAX_DEPTH} levels.",
-            code="json_too_deep",
-        ) from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"Request body is not valid JSON: {exc}.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest(
-            f"Request body must be a JSON object, not {json_type(body)}.", code="invalid_body"
-        )
+    body = json_object(raw, "`input`")
     return body
 
 
@@ -204,16 +188,3 @@ def check_content(content: Any, where: str) -> None:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
             raise _bad(f"`{where}[{j}]` must be an object with a `type`.", f"{where}[{j}]")
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }.get(type(value), type(value).__name__)

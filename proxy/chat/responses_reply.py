@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from proxy import json_input
+from proxy.chat.wire import WholeBodyReader
 from proxy.sse import AssembledReply, SSEParser
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -209,22 +209,8 @@ class StreamReader:
         content[index] = {**part, "text": str(part.get("text") or "") + obj[field]}
 
 
-class WholeReader:
+class WholeReader(WholeBodyReader):
     """A whole response body (or an error body)."""
 
     def __init__(self) -> None:
-        self.chunks: list[bytes] = []
-
-    def feed(self, chunk: bytes) -> bool:
-        self.chunks.append(chunk)
-        return False
-
-    def finish(self, ended_cleanly: bool) -> AssembledReply:
-        data = b"".join(self.chunks)
-        try:
-            obj = json_input.loads(data) if data else None
-        except (ValueError, UnicodeDecodeError):
-            obj = None
-        reply = reply_from_response(obj)
-        reply.complete = reply.complete and ended_cleanly
-        return reply
+        super().__init__(reply_from_response)
