@@ -67,9 +67,13 @@ def _tail(log: IO[bytes]) -> str:
     return log.read().decode(errors="replace")[-3000:]
 
 
-async def start_fake(log: IO[bytes]) -> tuple[asyncio.subprocess.Process, str]:
+async def start_fake(
+    log: IO[bytes], flavor: str = "llamacpp"
+) -> tuple[asyncio.subprocess.Process, str]:
+    """The fake upstream in its own process (``flavor``: "llamacpp" or "ollama")."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "testing.fake_upstream", "--host", "127.0.0.1", "--port", "0",
+        "--flavor", flavor,
         cwd=ROOT, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=log,
     )  # fmt: skip
     assert proc.stdout is not None
