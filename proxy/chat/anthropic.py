@@ -21,8 +21,8 @@ Engram's hash chain tells Claude Code's conversations apart; its billing line's 
 is fixed in the neutral text for that. ``max_tokens``, which every request must send, keeps at
 most :data:`REPLY_ROOM` tokens free for the reply in the prompt budget.
 
-Engram's expansion tool (``engram_expand``) is not offered here (``expansion = False``): the
-tool-result references say what each output was, and the client can run its tool again.
+Engram's expansion tool (``engram_expand``) is offered as an Anthropic tool and answered by
+Engram (:mod:`proxy.chat.anthropic_expand`), as for chat completions.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.chat.anthropic_encode import encode_body
+from proxy.chat.anthropic_expand import AnthropicDialect
 from proxy.chat.anthropic_neutral import AnthropicConversation, neutral_messages
 from proxy.chat.anthropic_reply import StreamReader, WholeReader
 from proxy.chat.anthropic_translate import ChatToEvents, ChatToMessage, to_chat
@@ -81,7 +82,7 @@ class AnthropicMessages:
 
     name = "anthropic-messages"
     paths: tuple[str, ...] = ("/v1/messages",)
-    expansion = False
+    expansion = True
 
     def parse(self, raw: bytes) -> AnthropicConversation:
         body = parse_chat_body(raw)  # JSON, an object, ``messages`` an array of role objects
@@ -112,6 +113,9 @@ class AnthropicMessages:
 
     def reader(self, event_stream: bool) -> StreamReader | WholeReader:
         return StreamReader() if event_stream else WholeReader()
+
+    def expansion_dialect(self) -> AnthropicDialect:
+        return AnthropicDialect(self.reader)
 
     def error_body(
         self, status: int, type: str, message: str, code: str | None, param: str | None

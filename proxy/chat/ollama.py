@@ -52,7 +52,7 @@ class OllamaChat:
 
     name = "ollama-chat"
     paths: tuple[str, ...] = ("/api/chat",)
-    expansion = False  # Engram's expansion tool is offered in OpenAI's tool loop only
+    expansion = False  # no expansion dialect for NDJSON streams yet (proxy.slots.dialect)
 
     def parse(self, raw: bytes) -> Conversation:
         body = _parse_body(raw)

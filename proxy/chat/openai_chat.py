@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from proxy.chat.api import Conversation, Message
+from proxy.chat.openai_expand import OpenAIChatDialect
 from proxy.chat.wire import EventStreamReader, WholeBodyReader, json_object, json_type
 from proxy.errors import BadRequest, error_body, sse_error_event
 from proxy.messages import without_lone_surrogates
@@ -45,6 +46,9 @@ class OpenAIChat:
 
     def reader(self, event_stream: bool) -> StreamReader | WholeReader:
         return StreamReader() if event_stream else WholeReader()
+
+    def expansion_dialect(self) -> OpenAIChatDialect:
+        return OpenAIChatDialect(self.reader)
 
     def error_body(
         self, status: int, type: str, message: str, code: str | None, param: str | None

@@ -14,6 +14,7 @@ background. What was assembled then goes to the reply hooks, in the background.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections import Counter
@@ -32,7 +33,7 @@ from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError, UpstreamRejected
 from proxy.logs import event
 from proxy.relay import UPSTREAM_DIED, encode_json, is_event_stream, is_ndjson, read_body, relay
-from proxy.slots.expand import can_add_tool
+from proxy.slots.dialect import Expands
 from proxy.slots.loop import Expander, Outcome
 from proxy.tasks import BackgroundTasks
 from proxy.upstream import (
@@ -89,9 +90,20 @@ class ChatPipeline:
         if memory is not None:
             self.reply_hooks.append(self._learn_tokens)
         self.keep_cors = bool(settings.server.cors_origins)
+        api = self.api
         self.expander = (
-            Expander(settings.slots, memory.slots, upstream, self.keep_cors)
-            if memory is not None and memory.slots is not None and self.api.expansion
+            Expander(
+                settings.slots,
+                memory.slots,
+                upstream,
+                self.keep_cors,
+                api.expansion_dialect(),
+                lambda message: api.stream_error(message),
+            )
+            if memory is not None
+            and memory.slots is not None
+            and api.expansion
+            and isinstance(api, Expands)
             else None
         )
 
@@ -251,8 +263,13 @@ class ChatPipeline:
         if mt.forward_messages is not None:
             turn.forwarded = mt.forward_messages
         ex = self.expander
-        if mt.slot_refs and ex is not None and ex.offered(mt.model):
-            turn.expand = can_add_tool(turn.conv.body, ex.settings.expand_tool)
+        if (
+            mt.slot_refs
+            and ex is not None
+            and ex.offered(mt.model)
+            and self.api.name not in self.upstream.missing_apis  # translated: no tool of ours
+        ):
+            turn.expand = ex.dialect.can_add_tool(turn.conv.body, ex.settings.expand_tool)
 
     async def _learn_tokens(self, turn: ChatTurn) -> None:
         """Calibrate token counts for this model from what the upstream reported."""
@@ -290,8 +307,8 @@ class ChatPipeline:
 
         try:
             body = turn.conv.body
-            if turn.forwarded is not None:
-                body = {**body, "messages": turn.forwarded}
+            if turn.forwarded is not None:  # the rewritten body, in this API's shape
+                body = json.loads(self.api.encode(turn.conv, turn.forwarded))
             await expander.run(request, body, out, mt.identity.user, room, finish=finish)
         except BaseException:
             settle()

@@ -26,6 +26,7 @@ from typing import Any
 
 from proxy.cache import LRU
 from proxy.chat.api import Conversation, Message
+from proxy.chat.responses_expand import ResponsesDialect
 from proxy.chat.responses_items import encode_input, item_kind, neutral_messages
 from proxy.chat.responses_reply import StreamReader, WholeReader
 from proxy.chat.responses_stream import StreamTranslator
@@ -46,7 +47,7 @@ class OpenAIResponses:
 
     name = "openai-responses"
     paths: tuple[str, ...] = ("/v1/responses", "/responses")
-    expansion = False  # engram_expand is offered in chat completions' tool shape only
+    expansion = True  # engram_expand as a Responses function tool (responses_expand)
 
     def __init__(self) -> None:
         # The session each archived reply went to, by the reply's id: a later request naming it
@@ -96,6 +97,9 @@ class OpenAIResponses:
 
     def reader(self, event_stream: bool) -> StreamReader | WholeReader:
         return StreamReader() if event_stream else WholeReader()
+
+    def expansion_dialect(self) -> ResponsesDialect:
+        return ResponsesDialect(self.reader)
 
     def error_body(
         self, status: int, type: str, message: str, code: str | None, param: str | None

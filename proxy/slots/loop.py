@@ -6,7 +6,8 @@ from the slot store, re-sends, and relays to the client only what belongs to the
 fills an :class:`Outcome` as it goes (status, reply, outcome flags, as the plain relay reports
 them), so archiving and metrics see what the client saw, and awaits ``finish`` (the turn's
 archive) once the final reply is whole, before the client gets its last bytes. It knows nothing
-of the chat pipeline.
+of the chat pipeline, and of chat APIs only what its :class:`~proxy.slots.dialect.ExpansionDialect`
+says (the tool's shape, the calls, the follow-up body, the stream's events).
 """
 
 from __future__ import annotations
@@ -22,27 +23,27 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from proxy.chat.api import ReplyReader
 from proxy.config import SlotsSettings
-from proxy.errors import sse_error_event
 from proxy.relay import encode_json, is_event_stream
+from proxy.slots.dialect import ExpansionDialect, StreamRound
 from proxy.slots.expand import (
     MIN_EXPANSION_TOKENS,
-    StreamRound,
     ToolRejections,
     add_usage,
     answer_text,
-    final_completion,
     mentions_tools,
     requested_slot,
-    round_trip_messages,
-    split_calls,
-    with_tool,
 )
 from proxy.slots.store import SlotStore
-from proxy.sse import AssembledReply, ChatAssembler, SSEEvent, SSEParser, reply_from_completion
-from proxy.upstream import Upstream, forward_headers, response_headers
+from proxy.sse import AssembledReply, SSEEvent, SSEParser
+from proxy.upstream import Upstream, forward_headers, path_unknown, response_headers
 
 log = logging.getLogger("engram.expand")
+
+UPSTREAM_CLOSED = "The upstream model server closed the connection before the reply was done."
+# Writes the event that tells the client its stream broke off (the adapter's ``stream_error``).
+StreamError = Callable[[str], bytes | None]
 
 
 @dataclass
@@ -64,15 +65,23 @@ def _dumps(obj: Any) -> bytes:
 
 
 class Expander:
-    """Runs chat requests whose forwarded prompt holds slot references."""
+    """Runs one chat API's requests whose forwarded prompt holds slot references."""
 
     def __init__(
-        self, settings: SlotsSettings, slots: SlotStore, upstream: Upstream, keep_cors: bool
+        self,
+        settings: SlotsSettings,
+        slots: SlotStore,
+        upstream: Upstream,
+        keep_cors: bool,
+        dialect: ExpansionDialect,
+        stream_error: StreamError,
     ) -> None:
         self.settings = settings
         self.slots = slots
         self.upstream = upstream
         self.keep_cors = keep_cors
+        self.dialect = dialect
+        self.stream_error = stream_error
         self.rejections = ToolRejections()
         self.counts: Counter[str] = Counter()  # round_trips, expanded, expired
 
@@ -89,19 +98,22 @@ class Expander:
         finish: Callable[[], Awaitable[None]] | None = None,
     ) -> Outcome:
         """Send ``base`` with the tool and answer the model's calls to it; ``out`` (returned) has
-        the client's response, or none when the upstream rejected the tool (send it the plain
-        way). ``finish`` runs once the final reply is whole, before its last bytes are sent."""
+        the client's response, or none when the upstream rejected the tool or lacks the API's
+        path (send it the plain way). ``finish`` runs once the final reply is whole, before its
+        last bytes are sent."""
         name = self.settings.expand_tool
-        body = with_tool(base, name)
+        body = self.dialect.with_tool(base, name)
         up = await self._send(request, body)
         out.status = up.status
         if up.status != 200:
             data = await _read_all(up)
             model = base.get("model") if isinstance(base.get("model"), str) else None
+            if up.status == 404 and path_unknown(data):
+                return out  # the plain way finds out and translates
             if mentions_tools(up.status, data):
                 self.rejections.add(model)
                 return out
-            out.reply = reply_from_completion(_json_or_none(data))
+            out.reply = self._reassembled(data)
             out.response = self._whole(up, out, data)
             return out
         loop = _Loop(self, request, out, user, room, base, body, finish)
@@ -113,6 +125,11 @@ class Expander:
         headers = forward_headers(request.headers, drop=("accept-encoding",))
         return await self.upstream.send(request.method, request.raw_path, headers, _dumps(body))
 
+    def _reassembled(self, data: bytes) -> AssembledReply:
+        reader = self.dialect.reader(False)
+        reader.feed(data)
+        return reader.finish(ended_cleanly=True)
+
     def _whole(self, up: aiohttp.ClientResponse, out: Outcome, data: bytes) -> web.Response:
         headers = response_headers(up.headers, keep_cors=self.keep_cors)
         headers.popall("Content-Length", None)
@@ -122,11 +139,10 @@ class Expander:
     async def answers(
         self, calls: Sequence[dict[str, Any]], user: str, room: int | None
     ) -> tuple[list[str], int | None]:
-        """The tool messages' texts for ``calls``, and the context room left after them."""
+        """The tool results' texts for ``calls``, and the context room left after them."""
         out: list[str] = []
         for call in calls:
-            fn = call.get("function") if isinstance(call.get("function"), dict) else {}
-            sid = requested_slot(fn.get("arguments") if isinstance(fn, dict) else None)
+            sid = requested_slot(self.dialect.call_arguments(call))
             slot = await self.slots.get(user, sid) if sid else None
             self.counts["expanded" if slot is not None else "expired"] += 1
             out.append(answer_text(sid, slot, room, self.settings.expand_tool))
@@ -150,6 +166,7 @@ class _Loop:
         finish: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.ex = ex
+        self.dialect = ex.dialect
         self.finish = finish
         self.request = request
         self.out = out
@@ -163,18 +180,14 @@ class _Loop:
     def _may_round_trip(self) -> bool:
         return self.rounds < self.ex.settings.max_expansions
 
-    async def _next_body(self, content: str | None, calls: Sequence[dict[str, Any]]) -> None:
+    async def _next_body(self, text: str | None, calls: list[dict[str, Any]]) -> None:
         answers, self.room = await self.ex.answers(calls, self.user, self.room)
-        messages = [*self.body["messages"], *round_trip_messages(content, calls, answers)]
         self.rounds += 1
         self.out.expansions = self.rounds
         self.ex.counts["round_trips"] += 1
-        body = {**self.body, "messages": messages}
+        body = self.dialect.follow_up(self.body, text, calls, answers)
         if not self._may_round_trip():  # the last request: without the tool, so it must answer
-            if "tools" in self.base:
-                body["tools"] = self.base["tools"]
-            else:
-                body.pop("tools", None)
+            body = self.dialect.last_body(body, self.base)
         self.body = body
 
     # --- plain -------------------------------------------------------------------------------
@@ -187,23 +200,19 @@ class _Loop:
             obj = _json_or_none(data)
             if up.status != 200 or not isinstance(obj, dict):
                 self.out.status = up.status
-                self.out.reply = reply_from_completion(obj)
+                self.out.reply = self.ex._reassembled(data)
                 return self.ex._whole(up, self.out, data)
             first_id = first_id or (obj.get("id") if isinstance(obj.get("id"), str) else None)
-            usage = add_usage(usage, obj.get("usage"))
-            msg = _first_message(obj)
-            calls = msg.get("tool_calls")
-            internal, client = split_calls(calls if isinstance(calls, list) else [], self.name)
+            usage = add_usage(usage, self.dialect.usage(obj))
+            internal, client, text = self.dialect.plain_calls(obj, self.name)
             if internal and not client and self._may_round_trip():
-                content = msg.get("content") if isinstance(msg.get("content"), str) else None
-                await self._next_body(content, internal)
+                await self._next_body(text, internal)
                 up = await self.ex._send(self.request, self.body)
                 continue
             if self.rounds or internal:
-                data = _dumps(final_completion(obj, self.name, usage, first_id))
-                obj = json.loads(data)
+                data = _dumps(self.dialect.final(obj, self.name, usage, first_id))
             self.out.status = up.status
-            self.out.reply = reply_from_completion(obj)
+            self.out.reply = self.ex._reassembled(data)
             if self.finish is not None:
                 await self.finish()
             return self.ex._whole(up, self.out, data)
@@ -216,48 +225,39 @@ class _Loop:
         headers.update(out.headers)
         resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
         await resp.prepare(self.request)
-        assembler = ChatAssembler()
+        reader = self.dialect.reader(True)
         ended_cleanly = False
         current = up
+        rnd: StreamRound | None = None
         try:
             total: dict[str, Any] | None = None
-            first_id: str | None = None
             while True:
-                rnd = StreamRound(self.name, self._may_round_trip(), first_id)
-                result = await self._relay_round(current, resp, rnd, assembler)
-                first_id = rnd.first_id
+                rnd = self.dialect.stream_round(self.name, self._may_round_trip(), rnd)
+                result = await self._relay_round(current, resp, rnd, reader)
                 if result == "client_gone":
                     out.client_gone = True
                     return resp
                 if result == "failed":
                     out.upstream_failed = True
-                    await _write_quietly(
-                        resp,
-                        sse_error_event(
-                            "The upstream model server closed the connection before the reply "
-                            "was done.",
-                            code="upstream_disconnected",
-                        ),
-                    )
+                    await _write_quietly(resp, self.ex.stream_error(UPSTREAM_CLOSED))
                     return resp
                 total = add_usage(total, rnd.usage)
                 if not rnd.round_trip:
-                    await self._finish(resp, rnd, total, assembler)
+                    await self._finish(resp, rnd, total, reader)
                     ended_cleanly = True
                     return resp
                 current.release()
                 await resp.write(b": engram is expanding a tool result\n\n")
-                await self._next_body("".join(rnd.content) or None, rnd.calls())
+                await self._next_body(rnd.text(), rnd.calls())
                 current = await self.ex._send(self.request, self.body)
                 if current.status != 200 or not is_event_stream(current):
                     data = await _read_all(current)
                     out.upstream_failed = True
                     await _write_quietly(
                         resp,
-                        sse_error_event(
+                        self.ex.stream_error(
                             f"The upstream model server answered {current.status} to Engram's "
-                            f"expansion round trip: {data[:500].decode('utf-8', 'replace')}",
-                            code="expansion_failed",
+                            f"expansion round trip: {data[:500].decode('utf-8', 'replace')}"
                         ),
                     )
                     return resp
@@ -268,7 +268,7 @@ class _Loop:
             out.client_gone = True
             raise
         finally:
-            out.reply = assembler.finish(ended_cleanly=ended_cleanly)
+            out.reply = reader.finish(ended_cleanly=ended_cleanly)
             if ended_cleanly:
                 current.release()
             else:
@@ -279,7 +279,7 @@ class _Loop:
         up: aiohttp.ClientResponse,
         resp: web.StreamResponse,
         rnd: StreamRound,
-        assembler: ChatAssembler,
+        reader: ReplyReader,
     ) -> str:
         """Relay one round's events; 'done', 'failed' (upstream died) or 'client_gone'."""
         parser = SSEParser()
@@ -291,79 +291,37 @@ class _Loop:
             if not chunk:
                 break
             try:
-                await self._write_events(parser.feed(chunk), resp, rnd, assembler)
+                await _write_events(parser.feed(chunk), resp, rnd, reader)
             except ConnectionResetError:
                 return "client_gone"
-        await self._write_events(parser.close(), resp, rnd, assembler)
+        await _write_events(parser.close(), resp, rnd, reader)
         return "done"
-
-    async def _write_events(
-        self,
-        events: list[SSEEvent],
-        resp: web.StreamResponse,
-        rnd: StreamRound,
-        assembler: ChatAssembler,
-    ) -> None:
-        out: list[bytes] = []
-        for ev in events:
-            data = ev.data.strip()
-            if ev.event is not None:
-                out.append(f"event: {ev.event}\ndata: {ev.data}\n\n".encode())
-                continue
-            if data == "[DONE]":
-                rnd.done = True  # sent by _finish, after the summed usage
-                continue
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                out.append(f"data: {ev.data}\n\n".encode())
-                continue
-            if not isinstance(obj, dict):
-                out.append(f"data: {ev.data}\n\n".encode())
-                continue
-            if rnd.first_id is None and isinstance(obj.get("id"), str):
-                rnd.first_id = obj["id"]
-            new = rnd.feed(obj)
-            if new is None:
-                continue
-            assembler.add_chunk(new)
-            text = ev.data if new is obj else json.dumps(new, ensure_ascii=False)
-            out.append(f"data: {text}\n\n".encode())
-        if out:
-            await resp.write(b"".join(out))
 
     async def _finish(
         self,
         resp: web.StreamResponse,
         rnd: StreamRound,
         total: dict[str, Any] | None,
-        assembler: ChatAssembler,
+        reader: ReplyReader,
     ) -> None:
-        tail: list[bytes] = []
-        if total is not None:
-            chunk = (
-                dict(rnd.usage_chunk)
-                if rnd.usage_chunk is not None
-                else {
-                    "id": rnd.first_id,
-                    "object": "chat.completion.chunk",
-                    "choices": [],
-                }
-            )
-            if rnd.first_id:
-                chunk["id"] = rnd.first_id
-            chunk["usage"] = total
-            assembler.add_chunk(chunk)
-            tail.append(b"data: " + _dumps(chunk) + b"\n\n")
-        if rnd.done:
-            assembler.done = True
-            tail.append(b"data: [DONE]\n\n")
+        tail = rnd.tail(total)
+        reader.feed(tail)
         if self.finish is not None:
-            self.out.reply = assembler.finish(ended_cleanly=True)
+            self.out.reply = reader.finish(ended_cleanly=True)
             await self.finish()
         if tail:
-            await resp.write(b"".join(tail))
+            await resp.write(tail)
         await resp.write_eof()
+
+
+async def _write_events(
+    events: list[SSEEvent], resp: web.StreamResponse, rnd: StreamRound, reader: ReplyReader
+) -> None:
+    out = [data for data in (rnd.feed(ev) for ev in events) if data is not None]
+    if out:
+        data = b"".join(out)
+        reader.feed(data)
+        await resp.write(data)
 
 
 async def _read_all(up: aiohttp.ClientResponse) -> bytes:
@@ -380,18 +338,10 @@ def _json_or_none(data: bytes) -> Any:
         return None
 
 
-def _first_message(obj: dict[str, Any]) -> dict[str, Any]:
-    choices = obj.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        msg = choices[0].get("message")
-        if isinstance(msg, dict):
-            return msg
-    return {}
-
-
-async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+async def _write_quietly(resp: web.StreamResponse, data: bytes | None) -> None:
     try:
-        await resp.write(data)
+        if data is not None:
+            await resp.write(data)
         await resp.write_eof()
     except ConnectionResetError:
         pass

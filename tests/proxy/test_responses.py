@@ -204,10 +204,11 @@ async def test_old_function_outputs_become_slot_references(
         item = fwd["input"][i]
         assert item["call_id"] == history[i]["call_id"]
         assert REFERENCE.search(item["output"]) and len(item["output"]) < 400
-    # Every other item exactly as sent (reasoning items in place), and no tool was added.
+    # Every other item exactly as sent (reasoning items in place); Engram's tool offered as a
+    # Responses function tool.
     others = [j for j in range(len(history)) if j not in (3, 8)]
     assert [fwd["input"][j] for j in others] == [history[j] for j in others]
-    assert "tools" not in fwd
+    assert [(t["type"], t["name"]) for t in fwd["tools"]] == [("function", "engram_expand")]
     assert template_violations(strict.responses.chat_messages(fwd)) == []
 
 
