@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 
 from proxy.chat.api import ReplyReader
 from proxy.relay import encode_json
-from proxy.slots.dialect import StreamRound
+from proxy.slots.dialect import SSEFraming, StreamRound
 from proxy.slots.expand import DESCRIPTION, call_id
 from proxy.sse import SSEEvent
 
@@ -51,7 +51,7 @@ def tool_definition(name: str) -> dict[str, Any]:
     }
 
 
-class AnthropicDialect:
+class AnthropicDialect(SSEFraming):
     """The expansion loop's view of ``/v1/messages`` (``reader``: the adapter's)."""
 
     def __init__(self, reader: Callable[[bool], ReplyReader]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from proxy import json_input
 from proxy.chat.api import Conversation, Message
+from proxy.chat.ollama_expand import OllamaDialect
 from proxy.chat.ollama_translate import ChatToOllama, to_chat_body
 from proxy.chat.ollama_wire import (
     neutral_call,
@@ -52,7 +53,7 @@ class OllamaChat:
 
     name = "ollama-chat"
     paths: tuple[str, ...] = ("/api/chat",)
-    expansion = False  # no expansion dialect for NDJSON streams yet (proxy.slots.dialect)
+    expansion = True  # engram_expand in Ollama's tool shape (proxy.chat.ollama_expand)
 
     def parse(self, raw: bytes) -> Conversation:
         body = _parse_body(raw)
@@ -89,6 +90,9 @@ class OllamaChat:
 
     def reader(self, event_stream: bool) -> OllamaReader:
         return OllamaReader()
+
+    def expansion_dialect(self) -> OllamaDialect:
+        return OllamaDialect(self.reader)
 
     def error_body(
         self, status: int, type: str, message: str, code: str | None, param: str | None

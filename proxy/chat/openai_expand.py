@@ -11,11 +11,11 @@ from typing import Any
 from proxy.chat.api import ReplyReader
 from proxy.relay import encode_json
 from proxy.slots import expand
-from proxy.slots.dialect import StreamRound
+from proxy.slots.dialect import SSEFraming, StreamRound
 from proxy.sse import SSEEvent
 
 
-class OpenAIChatDialect:
+class OpenAIChatDialect(SSEFraming):
     """The expansion loop's view of ``/v1/chat/completions`` (``reader``: the adapter's)."""
 
     def __init__(self, reader: Callable[[bool], ReplyReader]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from proxy.chat.api import ReplyReader
 from proxy.relay import encode_json
-from proxy.slots.dialect import StreamRound
+from proxy.slots.dialect import SSEFraming, StreamRound
 from proxy.slots.expand import DESCRIPTION, call_id
 from proxy.sse import SSEEvent
 
@@ -56,7 +56,7 @@ def _is_internal(item: Any, name: str) -> bool:
     )
 
 
-class ResponsesDialect:
+class ResponsesDialect(SSEFraming):
     """The expansion loop's view of ``/v1/responses`` (``reader``: the adapter's)."""
 
     def __init__(self, reader: Callable[[bool], ReplyReader]) -> None:

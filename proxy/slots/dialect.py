@@ -10,7 +10,12 @@ what the client got), and a :class:`StreamRound` per streamed round, which relay
 events minus the internal calls and holds back the round's ending. A chat API adapter offers
 expansion by having ``expansion = True`` and an ``expansion_dialect()`` (:class:`Expands`);
 OpenAI chat's dialect is :mod:`proxy.chat.openai_expand`, Anthropic's
-:mod:`proxy.chat.anthropic_expand`.
+:mod:`proxy.chat.anthropic_expand`, Ollama's :mod:`proxy.chat.ollama_expand`.
+
+A dialect also says how its streams are framed: which content type is a stream, the parser
+that turns a stream's bytes into events (:class:`SSEFraming`: server-sent events; Ollama's
+NDJSON lines come as events whose ``data`` is one line), and what the client may be sent while
+Engram makes a round trip (an SSE comment; nothing in NDJSON, which has no comments).
 
 Calls are kept in the API's own shape; :meth:`ExpansionDialect.call_arguments` gives what the
 model passed (a JSON string or an object), for :func:`proxy.slots.expand.requested_slot`.
@@ -22,7 +27,15 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from proxy.chat.api import ReplyReader
-from proxy.sse import SSEEvent
+from proxy.sse import SSEEvent, SSEParser
+
+
+class EventParser(Protocol):
+    """A stream's bytes as events, fed as they arrive."""
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]: ...
+
+    def close(self) -> list[SSEEvent]: ...
 
 
 class StreamRound(Protocol):
@@ -62,6 +75,16 @@ class StreamRound(Protocol):
 
 class ExpansionDialect(Protocol):
     """One chat API's shapes, for the expansion loop."""
+
+    progress: bytes  # sent to a streaming client while Engram makes a round trip
+
+    def streams(self, content_type: str) -> bool:
+        """Whether a reply of this content type is a stream (relayed round by round)."""
+        ...
+
+    def parser(self) -> EventParser:
+        """A new parser for one streamed round's bytes."""
+        ...
 
     def can_add_tool(self, body: Mapping[str, Any], name: str) -> bool:
         """Whether the expansion tool may join this request's tools."""
@@ -118,6 +141,18 @@ class ExpansionDialect(Protocol):
     def reader(self, event_stream: bool) -> ReplyReader:
         """Reassembles what the client got (the adapter's own reader)."""
         ...
+
+
+class SSEFraming:
+    """The framing of APIs that stream server-sent events (a base of their dialects)."""
+
+    progress = b": engram is expanding a tool result\n\n"
+
+    def streams(self, content_type: str) -> bool:
+        return content_type == "text/event-stream"
+
+    def parser(self) -> SSEParser:
+        return SSEParser()
 
 
 @runtime_checkable

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from proxy.chat.api import ReplyReader
 from proxy.config import SlotsSettings
-from proxy.relay import encode_json, is_event_stream
+from proxy.relay import encode_json
 from proxy.slots.dialect import ExpansionDialect, StreamRound
 from proxy.slots.expand import (
     MIN_EXPANSION_TOKENS,
@@ -36,7 +36,7 @@ from proxy.slots.expand import (
     requested_slot,
 )
 from proxy.slots.store import SlotStore
-from proxy.sse import AssembledReply, SSEEvent, SSEParser
+from proxy.sse import AssembledReply, SSEEvent
 from proxy.upstream import Upstream, forward_headers, path_unknown, response_headers
 
 log = logging.getLogger("engram.expand")
@@ -117,7 +117,9 @@ class Expander:
             out.response = self._whole(up, out, data)
             return out
         loop = _Loop(self, request, out, user, room, base, body, finish)
-        out.response = await (loop.stream(up) if is_event_stream(up) else loop.plain(up))
+        out.response = await (
+            loop.stream(up) if self.dialect.streams(up.content_type) else loop.plain(up)
+        )
         return out
 
     async def _send(self, request: web.Request, body: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -247,10 +249,11 @@ class _Loop:
                     ended_cleanly = True
                     return resp
                 current.release()
-                await resp.write(b": engram is expanding a tool result\n\n")
+                if self.dialect.progress:
+                    await resp.write(self.dialect.progress)
                 await self._next_body(rnd.text(), rnd.calls())
                 current = await self.ex._send(self.request, self.body)
-                if current.status != 200 or not is_event_stream(current):
+                if current.status != 200 or not self.dialect.streams(current.content_type):
                     data = await _read_all(current)
                     out.upstream_failed = True
                     await _write_quietly(
@@ -282,7 +285,7 @@ class _Loop:
         reader: ReplyReader,
     ) -> str:
         """Relay one round's events; 'done', 'failed' (upstream died) or 'client_gone'."""
-        parser = SSEParser()
+        parser = self.dialect.parser()
         while True:
             try:
                 chunk = await up.content.readany()
