@@ -41,57 +41,7 @@ import proxy
 from bench.common import machine, machine_lines, pct
 from bench.proxy import start_engram, start_fake, stop
 from proxy.config import sections
-
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-    "november",
-    "oscar",
-    "papa",
-    "quebec",
-    "romeo",
-    "sierra",
-    "tango",
-    "uniform",
-    "victor",
-    "whiskey",
-    "xray",
-    "yankee",
-    "zulu",
-    "garden",
-    "river",
-    "mountain",
-    "engine",
-    "coffee",
-    "table",
-    "window",
-]
-
-
-def big_conversation(messages: int, chars: int = 350) -> list[dict[str, Any]]:
-    rnd = random.Random(1)
-    out: list[dict[str, Any]] = [{"role": "system", "content": "You are helpful."}]
-    for i in range(messages - 1):
-        words: list[str] = []
-        while sum(len(w) + 1 for w in words) < chars:
-            words.append(rnd.choice(WORDS))
-        out.append(
-            {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + " ".join(words)}
-        )
-    if out[-1]["role"] != "user":
-        out.append({"role": "user", "content": "and now?"})
-    return out
+from testing.conversations import WORDS, long_conversation
 
 
 async def chat(
@@ -146,7 +96,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for i in range(args.small):
                     alone.append((await chat(http, url, f"alone{i}", question(i)))[0])
                     await asyncio.sleep(0.05)
-                big = big_conversation(args.messages)
+                big = long_conversation(args.messages)
                 big_took, _ = await chat(http, url, "big", big)
                 replied = time.perf_counter()
 

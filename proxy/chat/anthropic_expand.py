@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 
 from proxy.chat.api import ReplyReader
 from proxy.relay import encode_json
-from proxy.slots.dialect import SSEFraming, StreamRound
+from proxy.slots.dialect import SSEFraming, StreamRound, with_tool_appended, with_tools_of
 from proxy.slots.expand import DESCRIPTION, call_id
 from proxy.sse import SSEEvent
 
@@ -68,17 +68,10 @@ class AnthropicDialect(SSEFraming):
         return not any(isinstance(t, dict) and t.get("name") == name for t in tools or [])
 
     def with_tool(self, body: Mapping[str, Any], name: str) -> dict[str, Any]:
-        tools = body.get("tools")
-        own = tools if isinstance(tools, list) else []
-        return {**body, "tools": [*own, tool_definition(name)]}
+        return with_tool_appended(body, tool_definition(name))
 
     def last_body(self, body: dict[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
-        out = dict(body)
-        if "tools" in base:
-            out["tools"] = base["tools"]
-        else:
-            out.pop("tools", None)
-        return out
+        return with_tools_of(body, base)
 
     def plain_calls(
         self, reply: Mapping[str, Any], name: str

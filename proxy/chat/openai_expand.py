@@ -11,7 +11,7 @@ from typing import Any
 from proxy.chat.api import ReplyReader
 from proxy.relay import encode_json
 from proxy.slots import expand
-from proxy.slots.dialect import SSEFraming, StreamRound
+from proxy.slots.dialect import SSEFraming, StreamRound, with_tools_of
 from proxy.sse import SSEEvent
 
 
@@ -28,12 +28,7 @@ class OpenAIChatDialect(SSEFraming):
         return expand.with_tool(body, name)
 
     def last_body(self, body: dict[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
-        out = dict(body)
-        if "tools" in base:
-            out["tools"] = base["tools"]
-        else:
-            out.pop("tools", None)
-        return out
+        return with_tools_of(body, base)
 
     def plain_calls(
         self, reply: Mapping[str, Any], name: str

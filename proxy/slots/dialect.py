@@ -143,6 +143,24 @@ class ExpansionDialect(Protocol):
         ...
 
 
+def with_tools_of(body: dict[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` with ``base``'s tools (the client's own) or none: the last round must answer.
+    Every dialect's :meth:`ExpansionDialect.last_body` where tools sit under ``tools``."""
+    out = dict(body)
+    if "tools" in base:
+        out["tools"] = base["tools"]
+    else:
+        out.pop("tools", None)
+    return out
+
+
+def with_tool_appended(body: Mapping[str, Any], tool: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with ``tool`` after the client's own tools (its ``tools`` list, if any)."""
+    tools = body.get("tools")
+    own = tools if isinstance(tools, list) else []
+    return {**body, "tools": [*own, tool]}
+
+
 class SSEFraming:
     """The framing of APIs that stream server-sent events (a base of their dialects)."""
 

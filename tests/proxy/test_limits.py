@@ -27,6 +27,7 @@ from proxy.services import SERVICES
 from proxy.slots.refs import REFERENCE
 from proxy.store import indexing
 from proxy.store.quota import user_turn_count
+from testing.conversations import WORDS, long_conversation
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, settle, start_engram
 
@@ -34,57 +35,6 @@ pytestmark = pytest.mark.asyncio
 
 REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-int8"}
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
-WORDS = [
-    "alpha",
-    "bravo",
-    "charlie",
-    "delta",
-    "echo",
-    "foxtrot",
-    "golf",
-    "hotel",
-    "india",
-    "juliet",
-    "kilo",
-    "lima",
-    "mike",
-    "november",
-    "oscar",
-    "papa",
-    "quebec",
-    "romeo",
-    "sierra",
-    "tango",
-    "uniform",
-    "victor",
-    "whiskey",
-    "xray",
-    "yankee",
-    "zulu",
-    "garden",
-    "river",
-    "mountain",
-    "engine",
-    "coffee",
-    "table",
-    "window",
-]
-
-
-def long_conversation(messages: int, chars: int = 350, seed: int = 1) -> list[dict[str, Any]]:
-    """A system prompt and ``messages - 1`` turns of about ``chars`` characters, distinct
-    texts (none is answered from the embedder's cache), ending with a user message."""
-    rnd = random.Random(seed)
-    out: list[dict[str, Any]] = [SYSTEM]
-    for i in range(messages - 1):
-        words: list[str] = []
-        while sum(len(w) + 1 for w in words) < chars:
-            words.append(rnd.choice(WORDS))
-        role = "user" if i % 2 == 0 else "assistant"
-        out.append({"role": role, "content": f"{i} " + " ".join(words)})
-    if out[-1]["role"] != "user":
-        out.append({"role": "user", "content": "and now?"})
-    return out
 
 
 async def post(
