@@ -232,6 +232,29 @@ class RetrievalSettings:
         "FTS5's top ones; k=10 did (R@5 0.67, R@10 0.75).",
         min=0,
     )
+    fusion: str = opt(
+        "scored",
+        "How the two paths' candidates are merged: 'scored' ranks them by a weighted sum of "
+        "what each path and each turn hold (the score_* weights; see proxy/search/scoring.py), "
+        "'rrf' by Reciprocal Rank Fusion of their ranks alone (rrf_k, fts_weight, vec_weight). "
+        "On LoCoMo's held-out half (bench/tune_fusion.py) scored fusion found 0.80 of the "
+        "evidence in its top 10 against RRF's 0.73.",
+        choices=("scored", "rrf"),
+    )
+    score_fts: float = opt(0.6, "Scored fusion: weight of BM25 relative to the best match.")
+    score_vec: float = opt(0.8, "Scored fusion: weight of the cosine to the query.")
+    score_speaker: float = opt(
+        0.4, "Scored fusion: weight of a turn whose speaker the query names."
+    )
+    score_session: float = opt(
+        0.8, "Scored fusion: weight of the best BM25 match in the turn's session."
+    )
+    score_neighbour: float = opt(
+        0.9, "Scored fusion: weight of the best cosine of the turns next to it."
+    )
+    score_length: float = opt(
+        1.3, "Scored fusion: weight of the turn's length (log, counted up to 300 characters)."
+    )
     fts_weight: float = opt(1.0, "Weight of the FTS5 (BM25) path in the fusion.", min=0)
     vec_weight: float = opt(
         0.3,
@@ -267,6 +290,17 @@ class RetrievalSettings:
         min=0,
         max=1,
     )
+
+    def score_weights(self) -> dict[str, float]:
+        """The scored fusion's weights by feature name (see proxy/search/scoring.py)."""
+        return {
+            "fts": self.score_fts,
+            "vec": self.score_vec,
+            "speaker": self.score_speaker,
+            "session": self.score_session,
+            "neighbour": self.score_neighbour,
+            "length": self.score_length,
+        }
 
 
 @dataclass(frozen=True)

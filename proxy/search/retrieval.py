@@ -15,14 +15,17 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import Embedder
 from proxy.search.fts_query import STOP_WORDS, match_of, query_words
 from proxy.search.fusion import Fused, mmr, rrf
+from proxy.search.scoring import Candidate, scored_fusion
 from proxy.store.indexing import turn_vectors
 from proxy.store.models import Turn
 from proxy.store.store import Store
-from proxy.vectors import Vector
+from proxy.vectors import Vector, as_vector
 
 MODES = ("hybrid", "fts", "vec")
 FTS_ONLY = "fts-only"
@@ -39,6 +42,14 @@ search takes about 12 ms; and in a small archive the words nearly every row hold
 conversation's speaker names) still usefully order BM25's near-ties: with them left out, the
 LoCoMo prompt replay (one conversation per database) served 0.645 of its first two
 conversations' questions instead of 0.719."""
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What one scored fusion ranked: the candidates and each path's ids, best first."""
+
+    candidates: list[Candidate]
+    rankings: dict[str, list[int]]
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,7 @@ class Retriever:
         query_vector: Awaitable[Vector] | None = None,
         deadline: float | None = None,
         degraded: list[str] | None = None,
+        scoring: list[Scoring] | None = None,
     ) -> list[Hit]:
         """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` and turns of
         ``exclude_roles`` are left out inside the searches (they take no candidate places);
@@ -82,7 +94,8 @@ class Retriever:
         ``k``. ``query_vector``: the query's embedding, already on its way (see
         :meth:`embed_query`). ``deadline`` (event loop time): a vector path not done by then is
         dropped, and :data:`FTS_ONLY` appended to ``degraded``; an FTS5 path not done by then
-        raises :class:`RecallTimeout`."""
+        raises :class:`RecallTimeout`. ``scoring``: where scored fusion runs, what it scored is
+        appended there (the fusion tuner, bench/tune_fusion.py, fits the weights on it)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if k <= 0 or not query.strip():
@@ -96,11 +109,11 @@ class Retriever:
             query_words(query, stop_words=STOP_WORDS if s.stop_words else None) if want_fts else []
         )
 
-        async def fts() -> list[int]:
+        async def fts() -> list[tuple[int, float]]:
             match = match_of(await self._uncommon(user_id, words))
             if match is None:
                 return []
-            rows = await self.store.fts_search(
+            return await self.store.fts_search(
                 user_id,
                 match,
                 n,
@@ -108,11 +121,10 @@ class Retriever:
                 exclude_sessions=skip,
                 exclude_roles=roles,
             )
-            return [turn_id for turn_id, _ in rows]
 
         qvec: Vector | None = None
 
-        async def vec() -> list[int]:
+        async def vec() -> list[tuple[int, float]]:
             nonlocal qvec
             if not want_vec or self.embedder is None:
                 return []
@@ -120,7 +132,7 @@ class Retriever:
                 qvec = await query_vector
             else:
                 qvec = (await self.embedder.embed_queries([query]))[0]
-            rows = await self.store.vec_search(
+            return await self.store.vec_search(
                 user_id,
                 qvec,
                 n,
@@ -128,27 +140,60 @@ class Retriever:
                 exclude_sessions=skip,
                 exclude_roles=roles,
             )
-            return [turn_id for turn_id, _ in rows]
 
         if deadline is None:
-            fts_ids, vec_ids = await asyncio.gather(fts(), vec())
+            fts_rows, vec_rows = await asyncio.gather(fts(), vec())
         else:
-            fts_ids, vec_ids = await _by_deadline(fts(), vec(), deadline, degraded)
+            fts_rows, vec_rows = await _by_deadline(fts(), vec(), deadline, degraded)
         rankings: dict[str, list[int]] = {}
         if want_fts:
-            rankings["fts"] = fts_ids
+            rankings["fts"] = [turn_id for turn_id, _ in fts_rows]
         if want_vec:
-            rankings["vec"] = vec_ids
-        fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
-        if not fused:
+            rankings["vec"] = [turn_id for turn_id, _ in vec_rows]
+        ids = list(dict.fromkeys(i for ranked in rankings.values() for i in ranked))
+        if not ids:
             return []
-        turns = {
-            t.id: t for t in await self.store.get_turns([f.id for f in fused], user_id=user_id)
-        }
+        turns = {t.id: t for t in await self.store.get_turns(ids, user_id=user_id)}
+        if mode == "hybrid" and s.fusion == "scored":
+            candidates = await self._candidates(turns, fts_rows, vec_rows, qvec)
+            if scoring is not None:
+                scoring.append(Scoring(candidates, rankings))
+            fused = scored_fusion(candidates, query, rankings, s.score_weights())
+        else:
+            fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
         kept = [f for f in fused if f.id in turns and (keep is None or keep(turns[f.id]))]
         if (s.mmr if use_mmr is None else use_mmr) and qvec is not None and len(kept) > 1:
             kept = await self._mmr(kept, qvec, k)
         return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
+
+    async def _candidates(
+        self,
+        turns: dict[int, Turn],
+        fts_rows: list[tuple[int, float]],
+        vec_rows: list[tuple[int, float]],
+        qvec: Vector | None,
+    ) -> list[Candidate]:
+        """Both paths' candidates for :func:`~proxy.search.scoring.scored_fusion`; the cosines
+        of FTS5-only candidates are computed from their stored vectors."""
+        cosine = {turn_id: 1.0 - distance for turn_id, distance in vec_rows}
+        missing = [i for i in turns if i not in cosine]
+        if qvec is not None and missing:
+            q = as_vector(qvec)
+            for turn_id, v in (await self.store.read(lambda c: turn_vectors(c, missing))).items():
+                cosine[turn_id] = float(np.dot(v, q))  # both L2-normalised
+        bm25 = dict(fts_rows)
+        return [
+            Candidate(
+                t.id,
+                t.session_id,
+                t.position,
+                t.speaker,
+                len(t.content),
+                bm25.get(t.id),
+                cosine.get(t.id),
+            )
+            for t in turns.values()
+        ]
 
     def embed_query(self, query: str) -> asyncio.Task[Vector] | None:
         """Start embedding ``query`` now (the embedder works on its own thread while the
@@ -197,11 +242,11 @@ class Retriever:
 
 
 async def _by_deadline(
-    fts: Coroutine[Any, Any, list[int]],
-    vec: Coroutine[Any, Any, list[int]],
+    fts: Coroutine[Any, Any, list[tuple[int, float]]],
+    vec: Coroutine[Any, Any, list[tuple[int, float]]],
     deadline: float,
     degraded: list[str] | None,
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     """Both paths' candidates, as far as they got by ``deadline`` (see :meth:`Retriever.search`)."""
     fts_task = asyncio.ensure_future(fts)
     vec_task = asyncio.ensure_future(vec)

@@ -1,0 +1,131 @@
+"""Score-aware fusion of the two search paths (pure functions, no I/O).
+
+Reciprocal Rank Fusion sees only ranks, so a vector hit ranked 3rd at cosine 0.31 counts as much
+as one ranked 3rd at 0.62, and it knows nothing about the turn beyond its place in a list.
+:func:`scored_fusion` ranks the union of both paths' candidates by a weighted sum of features
+that each path, and the turns themselves, already hold:
+
+- ``fts`` — the turn's BM25 over the best BM25 of the query (1 for the best match, 0 when FTS5
+  did not find it);
+- ``vec`` — the cosine of the turn's vector to the query's (every candidate's, FTS5-only ones
+  included; 0 when the vector path did not run);
+- ``speaker`` — 1 when the turn's speaker is named in the query ("What did Caroline research?"
+  asks about Caroline's turns). Only names, never a role such as ``user``;
+- ``session`` — the best ``fts`` of any candidate of the same session: a session that matches
+  the question well holds its answer more often than a stray turn of another;
+- ``neighbour`` — the best cosine of the turns just before and after it in its session, among
+  the vector path's candidates (the least cosine of that list otherwise): an answer often sits
+  next to the turn that names the topic ("Did you finish it?" — "Yes, last Sunday.");
+- ``length`` — ``log(1 + min(chars, 300)) / log(301)``: a one-word acknowledgement seldom
+  answers a question; anything longer than 300 characters counts the same, so verbose
+  replies gain nothing over a plain sentence.
+
+The weights are settings (``[retrieval] score_*``), fitted by ``python -m bench.tune_fusion``
+on half of LoCoMo's conversations and checked on the other half.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from proxy.search.fusion import Fused
+
+FEATURES = ("fts", "vec", "speaker", "session", "neighbour", "length")
+"""The features, in the order of :func:`features`' columns and of the weights."""
+
+LENGTH_CAP = 300
+"""Characters past which a turn's length no longer counts."""
+
+_LOG_CAP = math.log1p(LENGTH_CAP)
+_ROLE_NAMES = frozenset({"user", "assistant", "system", "tool", "function", "developer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One turn either path found, with what the scoring needs of it.
+
+    ``bm25``: FTS5's score (lower is better, usually negative), None when FTS5 did not find it;
+    ``cosine``: to the query, None when unknown (no vector, or no vector path)."""
+
+    id: int
+    session_id: str
+    position: int
+    speaker: str | None
+    chars: int
+    bm25: float | None
+    cosine: float | None
+
+
+def named_speakers(query: str, speakers: Sequence[str | None]) -> set[str]:
+    """Those of ``speakers`` the query names as a whole word (case-insensitive); roles and
+    one-letter names never count."""
+    folded = query.casefold()
+    out: set[str] = set()
+    for name in {s for s in speakers if s}:
+        key = name.casefold().strip()
+        if len(key) < 2 or key in _ROLE_NAMES:
+            continue
+        if re.search(r"(?<!\w)" + re.escape(key) + r"(?!\w)", folded):
+            out.add(name)
+    return out
+
+
+def features(
+    candidates: Sequence[Candidate], query: str, vec_ids: Sequence[int]
+) -> list[tuple[float, ...]]:
+    """One row of :data:`FEATURES` per candidate, in order. ``vec_ids``: the vector path's
+    candidates (whose cosines the ``neighbour`` feature looks at)."""
+    scored = [c.bm25 for c in candidates if c.bm25 is not None]
+    best = min(scored, default=0.0)
+    fts = {c.id: (c.bm25 / best if best < 0 and c.bm25 is not None else 0.0) for c in candidates}
+    in_vec = set(vec_ids)
+    listed = [c for c in candidates if c.id in in_vec and c.cosine is not None]
+    floor = min((c.cosine for c in listed if c.cosine is not None), default=0.0)
+    at = {(c.session_id, c.position): c.cosine for c in listed}
+    session_best: dict[str, float] = {}
+    for c in candidates:
+        session_best[c.session_id] = max(session_best.get(c.session_id, 0.0), fts[c.id])
+    names = named_speakers(query, [c.speaker for c in candidates])
+    rows: list[tuple[float, ...]] = []
+    for c in candidates:
+        around = [at.get((c.session_id, c.position + d)) for d in (-1, 1)]
+        neighbour = max((x for x in around if x is not None), default=floor)
+        rows.append(
+            (
+                fts[c.id],
+                c.cosine if c.cosine is not None else 0.0,
+                1.0 if c.speaker in names else 0.0,
+                session_best[c.session_id],
+                neighbour,
+                math.log1p(min(c.chars, LENGTH_CAP)) / _LOG_CAP,
+            )
+        )
+    return rows
+
+
+def scored_fusion(
+    candidates: Sequence[Candidate],
+    query: str,
+    ranks: Mapping[str, Sequence[int]],
+    weights: Mapping[str, float],
+) -> list[Fused[int]]:
+    """The candidates best first by the sum of weight times feature. ``ranks``: each path's
+    candidate ids, best first (``"vec"``'s feed the ``neighbour`` feature; both give each
+    result its 1-based rank per path). Ties go to the better best rank in any path, then to
+    the id."""
+    w = [float(weights.get(name, 0.0)) for name in FEATURES]
+    rows = features(candidates, query, ranks.get("vec", ()))
+    position = {path: {i: r for r, i in enumerate(ids, 1)} for path, ids in ranks.items()}
+    out = []
+    for c, row in zip(candidates, rows, strict=True):
+        score = sum(x * y for x, y in zip(w, row, strict=True))
+        out.append(Fused(c.id, score, {p: position[p].get(c.id) for p in ranks}))
+
+    def best_rank(f: Fused[int]) -> int:
+        return min((r for r in f.ranks.values() if r is not None), default=1 << 30)
+
+    out.sort(key=lambda f: (-f.score, best_rank(f), f.id))
+    return out
