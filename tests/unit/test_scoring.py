@@ -1,0 +1,72 @@
+"""Scored fusion's features and order (proxy/search/scoring.py)."""
+
+from __future__ import annotations
+
+import math
+
+from proxy.search.scoring import FEATURES, LENGTH_CAP, Candidate, features, named_speakers
+from proxy.search.scoring import scored_fusion as fuse
+
+
+def cand(
+    i: int,
+    *,
+    session: str = "s",
+    pos: int = 0,
+    speaker: str | None = None,
+    chars: int = 100,
+    bm25: float | None = None,
+    cosine: float | None = None,
+) -> Candidate:
+    return Candidate(i, session, pos, speaker, chars, bm25, cosine)
+
+
+def row(rows: list[tuple[float, ...]], i: int) -> dict[str, float]:
+    return dict(zip(FEATURES, rows[i], strict=True))
+
+
+def test_named_speakers_are_whole_words_and_never_roles() -> None:
+    speakers = ["Caroline", "Mel", "user", "assistant", "A", None]
+    assert named_speakers("What did caroline research?", speakers) == {"Caroline"}
+    assert named_speakers("Did Melanie paint?", speakers) == set()  # "Mel" inside a word
+    assert named_speakers("what did the user and assistant say? A or B", speakers) == set()
+    assert named_speakers("Mel's dog", speakers) == {"Mel"}
+
+
+def test_features_of_each_candidate() -> None:
+    cs = [
+        cand(1, pos=0, speaker="Caroline", bm25=-4.0, cosine=0.2),
+        cand(2, pos=1, speaker="Mel", bm25=-2.0, cosine=0.6, chars=5_000),
+        cand(3, session="t", pos=0, speaker="Mel", bm25=None, cosine=0.4, chars=0),
+    ]
+    rows = features(cs, "Caroline's research", vec_ids=[2, 3])
+    first, second, third = (row(rows, i) for i in range(3))
+    assert first["fts"] == 1.0 and second["fts"] == 0.5 and third["fts"] == 0.0
+    assert [r["vec"] for r in (first, second, third)] == [0.2, 0.6, 0.4]
+    assert (first["speaker"], second["speaker"]) == (1.0, 0.0)
+    # the session's best match counts for each of its turns
+    assert first["session"] == second["session"] == 1.0 and third["session"] == 0.0
+    # turn 1's neighbour (position 1) is in the vector list at 0.6; turn 2's neighbour (1) is
+    # not, nor is anything next to turn 3: the list's least cosine (0.4)
+    assert first["neighbour"] == 0.6 and second["neighbour"] == 0.4 and third["neighbour"] == 0.4
+    assert second["length"] == 1.0  # capped
+    assert third["length"] == 0.0
+    assert math.isclose(first["length"], math.log1p(100) / math.log1p(LENGTH_CAP))
+
+
+def test_without_a_vector_path_the_vector_features_are_zero() -> None:
+    rows = features([cand(1, bm25=-1.0), cand(2, pos=1, bm25=-0.5)], "q", vec_ids=[])
+    assert all(row(rows, i)["vec"] == 0.0 and row(rows, i)["neighbour"] == 0.0 for i in (0, 1))
+
+
+def test_scored_fusion_orders_by_the_weighted_sum_and_keeps_ranks() -> None:
+    cs = [cand(1, bm25=-4.0, cosine=0.1), cand(2, pos=5, bm25=-1.0, cosine=0.9)]
+    ranks = {"fts": [1, 2], "vec": [2, 1]}
+    by_fts = fuse(cs, "q", ranks, {"fts": 1.0})
+    assert [f.id for f in by_fts] == [1, 2]
+    by_vec = fuse(cs, "q", ranks, {"vec": 1.0})
+    assert [f.id for f in by_vec] == [2, 1]
+    assert by_vec[0].ranks == {"fts": 2, "vec": 1}
+    # ties go to the better best rank
+    tied = fuse(cs, "q", ranks, {})
+    assert [f.id for f in tied] == [1, 2] and tied[0].score == 0.0
