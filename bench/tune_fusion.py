@@ -148,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     head = "| weights | half (n) | R@5 | R@10 | " + " | ".join(CATEGORIES.values()) + " |"
     lines += [head, "|---|---|---|---|" + "---|" * len(CATEGORIES)]
     results: dict[str, Any] = {"machine": m, "features": list(FEATURES)}
-    for name, tops_of in (
-        ("RRF (rrf_k 10, vec 0.3)", lambda qs: [q.rrf for q in qs]),
-        ("scored, settings", lambda qs: [q.top(current, 10) for q in qs]),
-        ("scored, fitted", lambda qs: [q.top(fitted, 10) for q in qs]),
+    for name, w in (
+        ("RRF (rrf_k 10, vec 0.3)", None),
+        ("scored, settings", current),
+        ("scored, fitted", fitted),
     ):
         for half, group in (("tuning", tune), ("held-out", held)):
-            r = report(tops_of(group), group)
+            r = report([q.rrf if w is None else q.top(w, 10) for q in group], group)
             results[f"{name} / {half}"] = r
             lines.append(row(name, half, r))
     lines += ["", "Fitted on the tuning half (the settings' names):"]
