@@ -225,10 +225,13 @@ class Retriever:
     async def _mmr(self, fused: list[Fused[int]], qvec: Vector, k: int) -> list[Fused[int]]:
         pool = fused[: max(k * 4, 20)]
         vectors = await self.store.read(lambda c: turn_vectors(c, [f.id for f in pool]))
-        # RRF scores are tiny (1/(k + rank)): scale them to [0, 1] so relevance and
-        # similarity weigh on the same scale.
-        top = max((f.score for f in pool), default=0.0) or 1.0
-        relevance = {f.id: f.score / top for f in pool}
+        # Fused scores have no fixed scale (RRF's are tiny, 1/(k + rank); scored fusion's
+        # bunch up near the top): stretch the pool's to [0, 1] so relevance and similarity
+        # weigh on the same scale.
+        top = max(f.score for f in pool)
+        low = min(f.score for f in pool)
+        span = (top - low) or 1.0
+        relevance = {f.id: (f.score - low) / span for f in pool}
         order = mmr(
             [f.id for f in pool if f.id in vectors],
             qvec,
