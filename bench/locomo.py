@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -155,7 +156,32 @@ def score(
     }
 
 
-def verdicts(results: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str, bool]]:
+def margin_low(
+    ranked: dict[str, list[list[str]]],
+    questions: list[LocomoQuestion],
+    category: int,
+    other: str,
+    resamples: int = 2000,
+) -> float:
+    """The 2.5th percentile of hybrid's R@10 minus ``other``'s over a category's questions,
+    by a paired bootstrap (seeded): above 0 means ahead by more than sampling noise."""
+    diffs = [
+        (len(q.evidence & set(h[:10])) - len(q.evidence & set(o[:10]))) / len(q.evidence)
+        for h, o, q in zip(ranked["hybrid"], ranked[other], questions, strict=True)
+        if q.category == category
+    ]
+    if not diffs:
+        return float("nan")
+    rng = random.Random(14)
+    means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(resamples))
+    return means[int(0.025 * resamples)]
+
+
+def verdicts(
+    results: dict[str, dict[str, dict[str, float]]],
+    ranked: dict[str, list[list[str]]] | None = None,
+    questions: list[LocomoQuestion] | None = None,
+) -> list[tuple[str, bool]]:
     hyb = results["hybrid"]
     checks = [
         (f"hybrid R@10 {hyb['all']['R@10']:.3f} ≥ {TARGET_R10}", hyb["all"]["R@10"] >= TARGET_R10),
@@ -174,10 +200,20 @@ def verdicts(results: dict[str, dict[str, dict[str, float]]]) -> list[tuple[str,
         if c not in hyb:
             continue
         h, f, v = (results[m][c]["R@10"] for m in ("hybrid", "fts", "vec"))
+        if ranked is None or questions is None:
+            checks.append(
+                (
+                    f"{CATEGORIES[cat]}: hybrid R@10 {h:.4f} > fts {f:.4f} and vec {v:.4f}",
+                    h > f and h > v,
+                )
+            )
+            continue
+        low_f, low_v = (margin_low(ranked, questions, cat, m) for m in ("fts", "vec"))
         checks.append(
             (
-                f"{CATEGORIES[cat]}: hybrid R@10 {h:.4f} > fts {f:.4f} and vec {v:.4f}",
-                h > f and h > v,
+                f"{CATEGORIES[cat]}: hybrid R@10 {h:.4f} ahead of fts {f:.4f} and vec {v:.4f} by "
+                f"more than noise (paired bootstrap 95% lower bounds +{low_f:.3f} / +{low_v:.3f})",
+                low_f > 0 and low_v > 0,
             )
         )
     return checks
@@ -258,7 +294,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         {
                             "config": config,
                             "results": results,
-                            "checks": verdicts(results),
+                            "checks": verdicts(results, ranked, questions),
                             "seconds": round(time.perf_counter() - t0, 1),
                         }
                     )
