@@ -86,14 +86,15 @@ def objective(w: np.ndarray, qs: list[Question]) -> float:
     return total / len(qs)
 
 
-def fit(qs: list[Question], start: np.ndarray) -> np.ndarray:
-    """Coordinate ascent: move one weight by ± step while the objective improves."""
+def fit(qs: list[Question], start: np.ndarray, free: Sequence[int] | None = None) -> np.ndarray:
+    """Coordinate ascent: move one weight (of ``free``, default all) by ± step while the
+    objective improves."""
     w, best = start.copy(), objective(start, qs)
     for step in STEPS:
         improved = True
         while improved:
             improved = False
-            for j in range(len(w)):
+            for j in range(len(w)) if free is None else free:
                 for d in (step, -step):
                     trial = w.copy()
                     trial[j] += d
@@ -101,6 +102,24 @@ def fit(qs: list[Question], start: np.ndarray) -> np.ndarray:
                     if value > best + 1e-9:
                         w, best, improved = trial, value, True
     return w
+
+
+def ablation(tune: list[Question], held: list[Question]) -> list[str]:
+    """Weights refitted (from BM25 alone) with only some features: added in order, then all but
+    one."""
+    lines = ["| features | tuning R@5 | tuning R@10 | held-out R@5 | held-out R@10 |"]
+    lines.append("|---|---|---|---|---|")
+    sets = [("+".join(FEATURES[: i + 1]), FEATURES[: i + 1]) for i in range(len(FEATURES))]
+    sets += [(f"all but {x}", tuple(f for f in FEATURES if f != x)) for x in FEATURES[1:-1]]
+    for name, keep in sets:
+        start = np.zeros(len(FEATURES))
+        start[FEATURES.index("fts")] = 1.0
+        w = fit(tune, start, [FEATURES.index(f) for f in keep])
+        rt, rh = (report([q.top(w, 10) for q in g], g) for g in (tune, held))
+        lines.append(
+            f"| {name} | {rt['R@5']:.3f} | {rt['R@10']:.3f} | {rh['R@5']:.3f} | {rh['R@10']:.3f} |"
+        )
+    return lines
 
 
 async def collect(args: argparse.Namespace) -> list[Question]:
@@ -135,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--split", type=int, default=5, help="conversations in the tuning half")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also refit with the features added one at a time, and with each left out",
+    )
     args = p.parse_args(argv)
     m = machine()
     qs = asyncio.run(collect(args))
@@ -157,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             r = report([q.rrf if w is None else q.top(w, 10) for q in group], group)
             results[f"{name} / {half}"] = r
             lines.append(row(name, half, r))
+    if args.ablate:
+        lines += ["", *ablation(tune, held)]
     lines += ["", "Fitted on the tuning half (the settings' names):"]
     lines += [f"  score_{f} = {w:.2f}" for f, w in zip(FEATURES, fitted, strict=True)]
     results["fitted"] = dict(zip(FEATURES, fitted.tolist(), strict=True))
