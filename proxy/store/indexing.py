@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from proxy.store import vec_cache
 from proxy.store.db import Connection
 from proxy.store.fts_sql import fts_reindex_sql
 from proxy.store.migrations import EMBED_DIM
@@ -41,6 +42,7 @@ def insert_vector(
         "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
         (turn_id, user_id, blob, blob, session_id, int(indexed)),
     )
+    vec_cache.inserted(turn_id, user_id, session_id, indexed, vec)
 
 
 def index_deferred(conn: Connection, ids: Sequence[int]) -> int:
