@@ -387,7 +387,8 @@ def vec0_cosine_distance(
     b = float(np.cumsum(q * q, dtype=np.float32)[-1])
     with np.errstate(divide="ignore", invalid="ignore"):
         out = 1.0 - dot / (np.sqrt(a) * np.sqrt(b))
-    return out.astype(np.float32)
+    result: npt.NDArray[np.float32] = out.astype(np.float32)
+    return result
 
 
 def _roles(conn: Connection, ids: Sequence[int]) -> dict[int, str]:
