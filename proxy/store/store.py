@@ -10,26 +10,23 @@ cancelled, so a client that goes away never loses half of an archive step.
 Public surface (all ``async`` except the constructor)::
 
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
-          fts_weights=FTS_WEIGHTS)         bm25 weights of turns_fts (body, ctx, date)
-    open() / close()  (or ``async with Store(...) as store``)
+          fts_weights=FTS_WEIGHTS)   bm25 weights (body, ctx, date); open() / close()
     read(fn) / write(fn, transaction=True)   run fn(conn) on a reader / in a write transaction
                                 (fns from proxy.store's table modules: feedback, slots, items…)
-    ensure_user(user_id)
-    get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
-                          fingerprint=None, indexed=None) -> Session
+    ensure_user(user_id);  get_or_create_session(user_id, session_id, *, parent_id=None,
+                          agent=None, fingerprint=None, indexed=None) -> Session
     get_session(session_id) -> Session | None;  set_session_indexed(session_id, indexed)
     resolve_session(user_id, chain_hashes, *, min_length=1) -> (Session, matched) | None
-    list_sessions(user_id) -> list[Session]           most recently seen first
-    delete_session(session_id, *, user_id=None) -> bool   with all it produced (store.forget)
-    delete_user(user_id) -> bool;  scrubber.scrub()       after deletes (store.scrub)
-    add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns;
-                                                          positions already stored are skipped
-    set_vectors([(turn_id, vector, embed_hash)]) -> int
+    list_sessions(user_id) -> list[Session]  most recently seen first;  list_users()
+    delete_session(session_id, *, user_id=None) / delete_user(user_id) -> bool  with all they
+        produced (store.forget);  scrubber.scrub()   after deletes (store.scrub)
+    add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns
+        (positions already stored are skipped);  set_vectors([(turn_id, vector, embed_hash)])
     turns_without_vectors(user_id, limit, after_id=0)   what the indexer has yet to embed
-    count_turns(session_id) -> int; session_turn_hashes(session_id) -> list[str]
-    session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int
-    session_turns(session_id, from_position=0, limit=None) -> list[Turn]
-    get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
+    count_turns(session_id) -> int;  session_turn_hashes(session_id) -> list[str]
+    session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int;
+        session_turns(session_id, from_position=0, limit=None) -> list[Turn]
+    get_turns(ids, *, user_id=None) -> list[Turn]  in the order of ids;  turn_vectors(user_id, ids)
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), exclude_roles=()) -> [(id, bm25)]
     fts_word_shares(user_id, words, *, min_turns=0, above=0) -> {word: share of the user's turns}
@@ -386,6 +383,13 @@ class Store:
             )
 
         return await self.read(job)
+
+    async def turn_vectors(self, user_id: str, ids: Sequence[int]) -> dict[int, Vector]:
+        ids = list(ids)
+        found = self.vectors.vectors(user_id, ids)
+        if found is None:  # not held (store.vec_cache): point lookups
+            found = await self.read(lambda c: indexing.turn_vectors(c, ids, user_id))
+        return found
 
     async def fts_word_shares(
         self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0

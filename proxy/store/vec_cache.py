@@ -113,7 +113,7 @@ class _Rows:
     role: npt.NDArray[np.int32]
     sessions: _Codes
     roles: _Codes
-    held: set[int]
+    held: dict[int, int]  # turn id -> row
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +142,7 @@ def _rows_of(
             np.zeros(cap, np.int32),
             base.sessions if base is not None else _Codes(),
             base.roles if base is not None else _Codes(),
-            base.held if base is not None else set(),
+            base.held if base is not None else {},
         )
         if base is not None:
             for name in ("ids", "matrix", "norms", "session", "indexed", "role"):
@@ -155,7 +155,7 @@ def _rows_of(
         r.session[i] = r.sessions.code(session_id)
         r.indexed[i] = indexed
         r.role[i] = r.roles.code(role)
-        r.held.add(turn_id)
+        r.held[turn_id] = i
     return _Rows(
         need, r.ids, r.matrix, r.norms, r.session, r.indexed, r.role, r.sessions, r.roles, r.held
     )
@@ -301,6 +301,20 @@ class VectorCache:
         if self.wants_load(user_id):
             in_background(lambda conn: self.load(conn, user_id))
         return None
+
+    def vectors(self, user_id: str, ids: Sequence[int]) -> dict[int, Vector] | None:
+        """The stored vectors of those of ``ids`` that have one (as
+        :func:`proxy.store.indexing.turn_vectors` reads them); None when the user's rows are
+        not held."""
+        rows = self.get(user_id)
+        if rows is None:
+            return None
+        out: dict[int, Vector] = {}
+        for turn_id in ids:
+            i = rows.held.get(turn_id)
+            if i is not None and i < rows.n:
+                out[turn_id] = rows.matrix[i]
+        return out
 
     # -- both -----------------------------------------------------------------------------
     def drop(self, user_id: str) -> None:

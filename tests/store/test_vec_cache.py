@@ -145,3 +145,18 @@ async def test_other_users_rows_never_come_back(store: Store) -> None:
     mine = {i for i, _ in await store.vec_search("u", q, 1000)}
     theirs = {i for i, _ in await store.vec_search("other", q, 1000)}
     assert mine and theirs and not mine & theirs
+
+
+async def test_turn_vectors_from_memory_match_the_database(store: Store) -> None:
+    from proxy.store.indexing import turn_vectors
+
+    ids = list(range(1, 400, 7))
+    held_now = store.vectors.vectors("u", ids)
+    assert held_now is not None
+    read = await store.read(lambda c: turn_vectors(c, ids, "u"))
+    assert held_now.keys() == read.keys() and len(read) > 10
+    for i, v in read.items():
+        assert np.array_equal(held_now[i], v)
+    assert (await store.turn_vectors("u", ids)).keys() == read.keys()
+    theirs = await store.read(lambda c: turn_vectors(c, ids, "other"))
+    assert theirs and not theirs.keys() & read.keys()
