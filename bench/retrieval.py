@@ -32,7 +32,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -258,12 +258,14 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-async def chat_latency(
-    db: Path, questions: list[str], n: int, gap_s: float, log_path: Path
-) -> dict[str, Any]:
-    """Paired chat requests, memory on (fresh message each) and off, alternating."""
+@contextlib.asynccontextmanager
+async def serving(
+    db: Path, log_path: Path, extra_env: dict[str, str] | None = None
+) -> AsyncIterator[str]:
+    """``python -m proxy serve`` on ``db`` in front of ``python -m testing.fake_upstream``, both
+    subprocesses; yields Engram's URL once it answers its health check."""
     procs: list[asyncio.subprocess.Process] = []
-    env = {**os.environ, "ENGRAM_SERVER_LOG_LEVEL": "warning"}
+    env = {**os.environ, "ENGRAM_SERVER_LOG_LEVEL": "warning", **(extra_env or {})}
     with log_path.open("wb") as log:
         try:
             fake = await asyncio.create_subprocess_exec(
@@ -294,22 +296,33 @@ async def chat_latency(
                     if time.monotonic() > deadline or engram.returncode is not None:
                         raise RuntimeError(f"Engram did not start; see {log_path}")
                     await asyncio.sleep(0.2)
-                load = os.getloadavg()[0]
-                on: list[float] = []
-                off: list[float] = []
-                injected = 0
-                for i in range(n + 20):
-                    q = questions[i % len(questions)] + f" ({i})"
-                    pair = [("on", q), ("off", q)]
-                    for mode, text in pair if i % 2 == 0 else reversed(pair):
-                        seconds, memories = await _chat(http, url, mode, text)
-                        if i >= 20:  # the first 20 warm up
-                            (on if mode == "on" else off).append(seconds)
-                            injected += memories if mode == "on" else 0
-                        await asyncio.sleep(gap_s)
+            yield url
         finally:
             for proc in reversed(procs):
                 await _stop(proc)
+
+
+async def chat_latency(
+    db: Path, questions: list[str], n: int, gap_s: float, log_path: Path
+) -> dict[str, Any]:
+    """Paired chat requests, memory on (fresh message each) and off, alternating."""
+    async with (
+        serving(db, log_path) as url,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http,
+    ):
+        load = os.getloadavg()[0]
+        on: list[float] = []
+        off: list[float] = []
+        injected = 0
+        for i in range(n + 20):
+            q = questions[i % len(questions)] + f" ({i})"
+            pair = [("on", q), ("off", q)]
+            for mode, text in pair if i % 2 == 0 else reversed(pair):
+                seconds, memories = await _chat(http, url, mode, text)
+                if i >= 20:  # the first 20 warm up
+                    (on if mode == "on" else off).append(seconds)
+                    injected += memories if mode == "on" else 0
+                await asyncio.sleep(gap_s)
     return {
         "requests": n,
         "on_p50": pct(on, 50),

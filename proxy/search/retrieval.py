@@ -179,7 +179,8 @@ class Retriever:
         missing = [i for i in turns if i not in cosine]
         if qvec is not None and missing:
             q = as_vector(qvec)
-            for turn_id, v in (await self.store.read(lambda c: turn_vectors(c, missing))).items():
+            user = next(iter(turns.values())).user_id
+            for turn_id, v in (await self.store.turn_vectors(user, missing)).items():
                 cosine[turn_id] = float(np.dot(v, q))  # both L2-normalised
         bm25 = dict(fts_rows)
         return [

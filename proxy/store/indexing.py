@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from proxy.store import vec_cache
 from proxy.store.db import Connection
 from proxy.store.fts_sql import fts_reindex_sql
 from proxy.store.migrations import EMBED_DIM
@@ -41,6 +42,7 @@ def insert_vector(
         "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
         (turn_id, user_id, blob, blob, session_id, int(indexed)),
     )
+    vec_cache.inserted(turn_id, user_id, session_id, indexed, vec)
 
 
 def index_deferred(conn: Connection, ids: Sequence[int]) -> int:
@@ -107,13 +109,16 @@ def turns_without_vectors(
     return [turn_of(r) for r in conn.execute(sql, args)]
 
 
-def turn_vectors(conn: Connection, ids: Sequence[int]) -> dict[int, Vector]:
-    """Stored vectors of some turns (point lookups in ``turn_vec``)."""
+def turn_vectors(
+    conn: Connection, ids: Sequence[int], user_id: str | None = None
+) -> dict[int, Vector]:
+    """Stored vectors of some turns (point lookups in ``turn_vec``); with ``user_id``, of that
+    user's turns only."""
     out: dict[int, Vector] = {}
     for turn_id in ids:
         row = conn.execute(
-            "SELECT embedding FROM turn_vec WHERE turn_id = ?", (turn_id,)
+            "SELECT embedding, user_id FROM turn_vec WHERE turn_id = ?", (turn_id,)
         ).fetchone()
-        if row is not None:
+        if row is not None and (user_id is None or row[1] == user_id):
             out[turn_id] = np.frombuffer(row[0], dtype=np.float32)
     return out

@@ -10,35 +10,30 @@ cancelled, so a client that goes away never loses half of an archive step.
 Public surface (all ``async`` except the constructor)::
 
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
-          fts_weights=FTS_WEIGHTS)         bm25 weights of turns_fts (body, ctx, date)
-    open() / close()  (or ``async with Store(...) as store``)
+          fts_weights=FTS_WEIGHTS)   bm25 weights (body, ctx, date); open() / close()
     read(fn) / write(fn, transaction=True)   run fn(conn) on a reader / in a write transaction
                                 (fns from proxy.store's table modules: feedback, slots, items…)
-    ensure_user(user_id)
-    get_or_create_session(user_id, session_id, *, parent_id=None, agent=None,
-                          fingerprint=None, indexed=None) -> Session
-    get_session(session_id) -> Session | None
+    ensure_user(user_id);  get_or_create_session(user_id, session_id, *, parent_id=None,
+                          agent=None, fingerprint=None, indexed=None) -> Session
+    get_session(session_id) -> Session | None;  set_session_indexed(session_id, indexed)
     resolve_session(user_id, chain_hashes, *, min_length=1) -> (Session, matched) | None
-    set_session_indexed(session_id, indexed)
-    list_sessions(user_id) -> list[Session]           most recently seen first
-    delete_session(session_id, *, user_id=None) -> bool   with all it produced (store.forget)
-    delete_user(user_id) -> bool;  scrubber.scrub()       after deletes (store.scrub)
-    add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns;
-                                                          positions already stored are skipped
-    set_vectors([(turn_id, vector, embed_hash)]) -> int
+    list_sessions(user_id) -> list[Session]  most recently seen first;  list_users()
+    delete_session(session_id, *, user_id=None) / delete_user(user_id) -> bool  with all they
+        produced (store.forget);  scrubber.scrub()   after deletes (store.scrub)
+    add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns
+        (positions already stored are skipped);  set_vectors([(turn_id, vector, embed_hash)])
     turns_without_vectors(user_id, limit, after_id=0)   what the indexer has yet to embed
-    count_turns(session_id) -> int; session_turn_hashes(session_id) -> list[str]
-    session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int
-    session_turns(session_id, from_position=0, limit=None) -> list[Turn]
-    get_turns(ids, *, user_id=None) -> list[Turn]       in the order of ids
+    count_turns(session_id) -> int;  session_turn_hashes(session_id) -> list[str]
+    session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int;
+        session_turns(session_id, from_position=0, limit=None) -> list[Turn]
+    get_turns(ids, *, user_id=None) -> list[Turn]  in the order of ids;  turn_vectors(user_id, ids)
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), exclude_roles=()) -> [(id, bm25)]
     fts_word_shares(user_id, words, *, min_turns=0, above=0) -> {word: share of the user's turns}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
-    stats() -> StoreStats
-    ensure_embedding_model(name) -> bool     False when turn_vec holds another model's vectors
+    stats() -> StoreStats;  ensure_embedding_model(name) -> bool   False: another model's
 
 Search scope: with ``session_ids=None`` a search covers the user's sessions whose ``indexed``
 flag is set (sub-agent sessions are created unindexed); with a list, exactly those sessions.
@@ -58,7 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search
+from proxy.store import indexing, queries, search, vec_cache
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -104,6 +99,7 @@ class Store:
         self._conns_lock = threading.Lock()
         self._user_counts: dict[str, tuple[float, int]] = {}
         self._words = search.UserWordCounts()
+        self.vectors = vec_cache.VectorCache()  # the exact KNN in numpy (store.vec_cache)
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -122,6 +118,7 @@ class Store:
             conn = connect(self.path)  # creates the file 0600, its folder 0700 if missing
             try:
                 migrate(conn)
+                vec_cache.install_triggers(conn)
             except BaseException:
                 conn.close()
                 raise
@@ -195,16 +192,8 @@ class Store:
         def job() -> T:
             conn = self._write_conn
             assert conn is not None
-            if not transaction:
-                return fn(conn)
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return result
+            # one transaction (or none); what it did to vectors is then applied (vec_cache)
+            return self.vectors.run_write(conn, fn, transaction)
 
         future = asyncio.wrap_future(writer.submit(job))
         return await asyncio.shield(future)
@@ -376,6 +365,11 @@ class Store:
             quantized = mode == "quantized" or (
                 mode == "auto" and self._user_turn_count(c, user_id) > self._quantized_above
             )
+            found = None if quantized else self.vectors.search(user_id, vector, limit,
+                self._in_background, session_ids=sessions, exclude_ids=excluded,
+                exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
+            if found is not None:
+                return found
             return search.vec_search(
                 c,
                 user_id,
@@ -389,6 +383,13 @@ class Store:
             )
 
         return await self.read(job)
+
+    async def turn_vectors(self, user_id: str, ids: Sequence[int]) -> dict[int, Vector]:
+        ids = list(ids)
+        found = self.vectors.vectors(user_id, ids)
+        if found is None:  # not held (store.vec_cache): point lookups
+            found = await self.read(lambda c: indexing.turn_vectors(c, ids, user_id))
+        return found
 
     async def fts_word_shares(
         self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
@@ -412,8 +413,13 @@ class Store:
         shares = await self.read(job)
         if self._words.pending() and self._reader_pool is not None:
             self._words.running = True  # counted in the background: nothing waits for it
-            self._reader_pool.submit(lambda: self._words.run(self._local.conn))
+            self._in_background(self._words.run)
         return shares
+
+    def _in_background(self, fn: Callable[[Connection], object]) -> None:
+        """Run ``fn(conn)`` on a reader thread; nothing waits for it."""
+        if self._reader_pool is not None:
+            self._reader_pool.submit(lambda: fn(self._local.conn))
 
     def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
         """A recent count of the user's turns, or (``None``) of all turns (reader thread; a

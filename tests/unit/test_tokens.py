@@ -44,3 +44,23 @@ def test_messages_count_includes_overhead_and_tool_calls() -> None:
 
 def test_estimate_without_tiktoken() -> None:
     assert TokenCounter().raw("abcdefgh") == estimate("abcdefgh") == 2
+
+
+def test_short_texts_are_encoded_once_and_counted_the_same() -> None:
+    encoder = load_encoder()
+    assert encoder is not None
+    calls: list[str] = []
+
+    def counting(text: str) -> int:
+        calls.append(text)
+        return encoder(text)
+
+    tokens = TokenCounter(counting)
+    line = "- [2023-05-08] Caroline: I went to the LGBTQ support group yesterday."
+    first = [tokens.count(line), tokens.raw(line), tokens.messages([{"content": line}])]
+    again = [tokens.count(line), tokens.raw(line), tokens.messages([{"content": line}])]
+    assert first == again == [round(encoder(line) * UNCALIBRATED), encoder(line), encoder(line) + 4]
+    assert calls == [line]  # remembered after the first
+    long_text = "word " * 1000  # past MEMO_CHARS: counted each time, never kept
+    assert tokens.raw(long_text) == tokens.raw(long_text) == encoder(long_text)
+    assert calls.count(long_text) == 2

@@ -1,0 +1,289 @@
+"""What memory costs a chat request under load: ``engram serve`` in front of a fake upstream.
+
+    .venv/bin/python -m bench.memory_load [--turns 10000] [--pairs 300] [--seconds 20]
+                                          [--concurrency 1,4,16] [--json out.json]
+
+``N`` turns synthesised from LoCoMo (``bench.common.synthetic_records``, real MiniLM vectors from
+the embedding cache in ``--cache-dir``) are stored for one user; the database is built once per
+``N`` and kept in the cache folder (a copy is served, so archiving never changes the cached one).
+``python -m proxy serve`` runs with its default settings in front of ``python -m
+testing.fake_upstream``. Every request is a new chat: a system message and one user message, a
+LoCoMo question (numbered, so no two texts repeat and no cache answers them).
+
+(a) c=1 latency: pairs of requests, ``X-Engram-Memory: read-only`` (recall, nothing archived) and
+    ``off``, alternating which goes first; the added latency is read-only's percentile minus off's.
+    Then the same with memory fully ``on`` (recall and archiving) against ``off``.
+(b) Closed-loop throughput: ``c`` clients each sending its next request as soon as the last one
+    is answered, for ``--seconds`` per cell, with memory read-only, on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.common import (
+    DEFAULT_CACHE,
+    DEFAULT_LOCOMO,
+    DiskCachedEmbedder,
+    import_turns,
+    load_locomo,
+    machine,
+    machine_lines,
+    pct,
+    synthetic_records,
+)
+from bench.retrieval import serving
+from proxy.search.embedder import DEFAULT_MODEL, FastEmbedEmbedder
+from proxy.store import Store
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+USER = "bench"
+ADDED_TARGETS = {10_000: (15.0, 25.0), 100_000: (30.0, None)}  # turns -> (p50, p95) ms added
+THROUGHPUT_TARGET = 150.0  # req/s at c=16, memory on
+WARMUP = 20
+
+
+def load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# ---- the database ------------------------------------------------------------------------
+
+
+async def cached_db(n: int, cache_dir: Path, convs: Any) -> Path:
+    """A database holding ``n`` turns of :data:`USER`, built once and kept in ``cache_dir``."""
+    path = cache_dir / f"memory_load-{n}.db"
+    if path.is_file():
+        return path
+    cached = DiskCachedEmbedder(FastEmbedEmbedder(DEFAULT_MODEL, threads=2), cache_dir)
+    tmp = path.with_suffix(".building.db")
+    for p in tmp.parent.glob(tmp.name + "*"):
+        p.unlink()
+    t0 = time.perf_counter()
+    async with Store(tmp) as store:
+        await store.ensure_embedding_model(cached.name)
+        await import_turns(store, cached, synthetic_records(convs, n, USER), batch=2048)
+        await store.write(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)"), transaction=False)
+    await cached.aclose()
+    tmp.replace(path)
+    print(f"built {n} turns in {time.perf_counter() - t0:.0f} s: {path}", file=sys.stderr)
+    return path
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+def body(question: str) -> dict[str, Any]:
+    return {
+        "model": "fake-model",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": 32,
+    }
+
+
+async def chat(http: aiohttp.ClientSession, url: str, mode: str, question: str) -> float:
+    headers = {"X-Engram-User": USER, "X-Engram-Memory": mode}
+    t0 = time.perf_counter()
+    async with http.post(f"{url}/v1/chat/completions", json=body(question), headers=headers) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"chat answered {r.status}")
+    return time.perf_counter() - t0
+
+
+class Questions:
+    """LoCoMo questions, each numbered so no text is ever sent twice."""
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        self.i = 0
+
+    def next(self) -> str:
+        self.i += 1
+        return f"{self.texts[self.i % len(self.texts)]} ({self.i})"
+
+
+async def paired(
+    http: aiohttp.ClientSession, url: str, qs: Questions, mode: str, pairs: int
+) -> dict[str, Any]:
+    """``mode`` against ``off``, one request at a time, alternating which goes first."""
+    times: dict[str, list[float]] = {mode: [], "off": []}
+    start_load = load()
+    for i in range(pairs + WARMUP):
+        q = qs.next()
+        order = (mode, "off") if i % 2 == 0 else ("off", mode)
+        for m in order:
+            seconds = await chat(http, url, m, q)
+            if i >= WARMUP:
+                times[m].append(seconds)
+    on, off = times[mode], times["off"]
+    return {
+        "mode": mode,
+        "pairs": pairs,
+        "p50": pct(on, 50),
+        "p95": pct(on, 95),
+        "off_p50": pct(off, 50),
+        "off_p95": pct(off, 95),
+        "added_p50": pct(on, 50) - pct(off, 50),
+        "added_p95": pct(on, 95) - pct(off, 95),
+        "load": f"{start_load} -> {load()}",
+    }
+
+
+async def closed_loop(
+    http: aiohttp.ClientSession, url: str, qs: Questions, mode: str, c: int, seconds: float
+) -> dict[str, Any]:
+    """``c`` clients, each sending its next request when the last is answered."""
+    times: list[float] = []
+    errors = 0
+    warm_until = time.perf_counter() + min(2.0, seconds / 5)
+    stop = warm_until + seconds
+    start_load = load()
+
+    async def client() -> None:
+        nonlocal errors
+        while (now := time.perf_counter()) < stop:
+            try:
+                took = await chat(http, url, mode, qs.next())
+            except (RuntimeError, aiohttp.ClientError):
+                errors += 1
+                continue
+            if now >= warm_until:
+                times.append(took)
+
+    await asyncio.gather(*(client() for _ in range(c)))
+    return {
+        "mode": mode,
+        "c": c,
+        "requests": len(times),
+        "req_s": len(times) / seconds,
+        "p50": pct(times, 50),
+        "p95": pct(times, 95),
+        "errors": errors,
+        "load": f"{start_load} -> {load()}",
+    }
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def report(out: dict[str, Any]) -> str:
+    n = out["turns"]
+    t50, t95 = ADDED_TARGETS.get(n, (None, None))
+    lines = [f"(a) c=1, a new chat per question, {n:,} turns stored for the user", ""]
+    lines.append("| memory | pairs | p50 | p95 | off p50 / p95 | added p50 | added p95 | target | "
+                 "pass/fail | load 1/5/15 (start -> end) |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for row in out["latency"]:
+        goal = f"≤ {t50:g} / {t95:g} ms" if t95 else (f"p50 ≤ {t50:g} ms" if t50 else "-")
+        ok = None
+        if t50 is not None and row["mode"] == "read-only":
+            ok = row["added_p50"] <= t50 and (t95 is None or row["added_p95"] <= t95)
+        lines.append(
+            f"| {row['mode']} | {row['pairs']} | {row['p50']:.1f} ms | {row['p95']:.1f} ms | "
+            f"{row['off_p50']:.1f} / {row['off_p95']:.1f} ms | {row['added_p50']:+.1f} ms | "
+            f"{row['added_p95']:+.1f} ms | {goal if row['mode'] == 'read-only' else '-'} | "
+            f"{ {True: 'PASS', False: 'FAIL', None: '-'}[ok] } | {row['load']} |"
+        )
+    if out["throughput"]:
+        lines += ["", f"(b) closed loop, {out['seconds']:g} s per cell", ""]
+        lines.append("| memory | clients | req/s | p50 | p95 | errors | target | pass/fail | "
+                     "load 1/5/15 (start -> end) |")  # fmt: skip
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for row in out["throughput"]:
+            judged = row["c"] == 16 and row["mode"] != "off"
+            goal = f"≥ {THROUGHPUT_TARGET:g} req/s" if judged else "-"
+            verdict = ("PASS" if row["req_s"] >= THROUGHPUT_TARGET else "FAIL") if judged else "-"
+            lines.append(
+                f"| {row['mode']} | {row['c']} | {row['req_s']:.0f} | {row['p50']:.1f} ms | "
+                f"{row['p95']:.1f} ms | {row['errors']} | {goal} | {verdict} | {row['load']} |"
+            )
+    return "\n".join(lines)
+
+
+# ---- main --------------------------------------------------------------------------------
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    convs, questions_all, _ = load_locomo(args.data)
+    texts = [q.question for q in questions_all]
+    random.Random(1).shuffle(texts)
+    qs = Questions(texts)
+    source = await cached_db(args.turns, args.cache_dir, convs)
+    out: dict[str, Any] = {
+        "machine": machine(),
+        "turns": args.turns,
+        "seconds": args.seconds,
+        "latency": [],
+        "throughput": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="engram-load-") as tmp:
+        db = Path(tmp) / "load.db"
+        shutil.copyfile(source, db)
+        log_path = Path(tmp) / "serve.log"
+        try:
+            async with (
+                serving(db, log_path) as url,
+                aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=120),
+                    connector=aiohttp.TCPConnector(limit=0),
+                ) as http,
+            ):
+                for mode in args.latency_modes:
+                    row = await paired(http, url, qs, mode, args.pairs)
+                    out["latency"].append(row)
+                    print(f"c=1 {mode}: {row['added_p50']:+.1f} ms p50", file=sys.stderr)
+                for c in args.concurrency:
+                    for mode in args.throughput_modes:
+                        row = await closed_loop(http, url, qs, mode, c, args.seconds)
+                        out["throughput"].append(row)
+                        print(f"c={c} {mode}: {row['req_s']:.0f} req/s", file=sys.stderr)
+        except Exception:
+            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+            raise
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_LOCOMO, help="locomo10.json")
+    parser.add_argument("--turns", type=int, default=10_000, help="stored turns of the user")
+    parser.add_argument("--pairs", type=int, default=300, help="c=1 pairs per mode")
+    parser.add_argument("--seconds", type=float, default=20.0, help="per throughput cell")
+    parser.add_argument("--concurrency", default="1,4,16", help="closed-loop clients, by comma")
+    parser.add_argument("--latency-modes", default="read-only,on", help="c=1 modes against off")
+    parser.add_argument("--throughput-modes", default="read-only,on,off")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="vectors and DBs")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    args.latency_modes = [m for m in args.latency_modes.split(",") if m]
+    args.throughput_modes = [m for m in args.throughput_modes.split(",") if m]
+    if not args.data.is_file():
+        parser.error(f"no LoCoMo data at {args.data} (see --data)")
+    out = asyncio.run(run(args))
+    print("\n".join(machine_lines(out["machine"])))
+    print(report(out))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
