@@ -145,6 +145,18 @@ def assemble(
     sizes = [count(m) for m in msgs]
     original = sum(sizes)
     mem_cost = count_text(memory_block) + 4 if memory_block else 0
+    # A message the memory block joins costs its own tokens plus the block's: the whole is not
+    # counted again (the block is the biggest text of a memory-on request).
+    costs: dict[int, tuple[Message, int]] = {}  # by id, the message held so no id is reused
+
+    def known(msg: Message, cost: int) -> Message:
+        costs[id(msg)] = (msg, cost)
+        return msg
+
+    def cost_of(msg: Message) -> int:
+        held = costs.get(id(msg))
+        return held[1] if held is not None and held[0] is msg else count(msg)
+
     cur = current_start(msgs, first)
 
     whole = budget is None or original + mem_cost <= whole_share * budget
@@ -188,13 +200,13 @@ def assemble(
     if first:
         system = msgs[0]
         if memory_block and mode == "zones":
-            system = append_to_system(system, memory_block)
+            system = known(append_to_system(system, memory_block), count(system) + mem_cost)
             parts.append(Part("primacy", "system+memory", 0, tuple(memory_ids)))
         else:
             parts.append(Part("primacy", "system", 0))
         out.append(system)
     elif memory_block and mode == "zones":
-        out.append({"role": "system", "content": memory_block})
+        out.append(known({"role": "system", "content": memory_block}, mem_cost))
         parts.append(Part("primacy", "memory", None, tuple(memory_ids)))
 
     window: list[tuple[Message, str, int | None]] = [
@@ -211,14 +223,15 @@ def assemble(
         k = next((w for w, (_, _, index) in enumerate(window) if index == cur), None)
         if k is not None and msgs[cur].get("role") == "user":
             msg, label, index = window[k]
-            window[k] = (with_leading_text(msg, memory_block), "memory+" + label, index)
+            joined = known(with_leading_text(msg, memory_block), count(msg) + mem_cost)
+            window[k] = (joined, "memory+" + label, index)
         elif out and is_system(out[0]):  # no user message to carry it: primacy after all
-            out[0] = append_to_system(out[0], memory_block)
+            out[0] = known(append_to_system(out[0], memory_block), count(out[0]) + mem_cost)
         else:
-            out.insert(0, {"role": "system", "content": memory_block})
+            out.insert(0, known({"role": "system", "content": memory_block}, mem_cost))
     for msg, label, index in window:
         refs = tuple(memory_ids) if label.startswith("memory") else ()
         parts.append(Part("recency", label, index, refs))
         out.append(msg)
-    tokens = sum(count(m) for m in out)
+    tokens = sum(cost_of(m) for m in out)
     return Assembly(out, parts, not whole and start > first, start - first, tokens, original, start)

@@ -41,6 +41,7 @@ LENGTH_CAP = 300
 
 _LOG_CAP = math.log1p(LENGTH_CAP)
 _ROLE_NAMES = frozenset({"user", "assistant", "system", "tool", "function", "developer"})
+_WORD = re.compile(r"\w+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +64,20 @@ def named_speakers(query: str, speakers: Sequence[str | None]) -> set[str]:
     """Those of ``speakers`` the query names as a whole word (case-insensitive); roles and
     one-letter names never count."""
     folded = query.casefold()
+    words = set(_WORD.findall(folded))
     out: set[str] = set()
     for name in {s for s in speakers if s}:
         key = name.casefold().strip()
         if len(key) < 2 or key in _ROLE_NAMES:
             continue
-        if re.search(r"(?<!\w)" + re.escape(key) + r"(?!\w)", folded):
+        if key in words if _WORD.fullmatch(key) else _names(key, folded):
             out.add(name)
     return out
+
+
+def _names(key: str, folded: str) -> bool:
+    """Whether ``folded`` holds ``key`` (a name of several words or signs) as a whole."""
+    return re.search(r"(?<!\w)" + re.escape(key) + r"(?!\w)", folded) is not None
 
 
 def features(
@@ -119,13 +126,11 @@ def scored_fusion(
     w = [float(weights.get(name, 0.0)) for name in FEATURES]
     rows = features(candidates, query, ranks.get("vec", ()))
     position = {path: {i: r for r, i in enumerate(ids, 1)} for path, ids in ranks.items()}
-    out = []
+    keyed = []
     for c, row in zip(candidates, rows, strict=True):
         score = sum(x * y for x, y in zip(w, row, strict=True))
-        out.append(Fused(c.id, score, {p: position[p].get(c.id) for p in ranks}))
-
-    def best_rank(f: Fused[int]) -> int:
-        return min((r for r in f.ranks.values() if r is not None), default=1 << 30)
-
-    out.sort(key=lambda f: (-f.score, best_rank(f), f.id))
-    return out
+        at = {p: position[p].get(c.id) for p in ranks}
+        best = min((r for r in at.values() if r is not None), default=1 << 30)
+        keyed.append(((-score, best, c.id), Fused(c.id, score, at)))
+    keyed.sort(key=lambda pair: pair[0])
+    return [fused for _, fused in keyed]
