@@ -94,9 +94,7 @@ async def reindex(
         await store.write(lambda c: vectable.start_build(c, name, dim))
         report.kept = await store.read(lambda c: vectable.vector_state(c).built)
         ids = await store.read(vectable.build_ids)
-    else:
-        if state.build_model is not None:  # a reindex towards a model no longer configured
-            await store.write(vectable.drop_build)
+    else:  # an unfinished build towards another model stays (run with that model, it goes on)
         if not await store.ensure_embedding_model(name, dim):
             raise RuntimeError(f"the database's vectors are not {name!r}'s")  # cannot happen
         ids = await store.read(vectable.fill_ids)
