@@ -40,6 +40,11 @@ def records(path: Path, turns: int) -> list[dict[str, Any]]:
     return out[:turns]
 
 
+def remove(db: Path) -> None:
+    for suffix in ("", "-wal", "-shm", ".lock"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+
+
 async def prepare(db: Path, recs: list[dict[str, Any]]) -> None:
     old = HashEmbedder()
     async with Store(db) as store:
@@ -49,9 +54,7 @@ async def prepare(db: Path, recs: list[dict[str, Any]]) -> None:
     await old.aclose()
 
 
-async def timed(
-    db: Path, threads: int, embed_batch: int, batch: int, order: str
-) -> dict[str, Any]:
+async def timed(db: Path, threads: int, embed_batch: int, batch: int, order: str) -> dict[str, Any]:
     emb = FastEmbedEmbedder(DEFAULT_MODEL, threads=threads, batch_size=embed_batch, lru_size=0)
     await emb.load()
     original = vectable._by_length
@@ -97,15 +100,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for embed_batch in args.embed_batch:
             for order in args.orders:
                 db = Path(tmp) / f"run-{embed_batch}-{order}.db"
-                shutil.copyfile(base, db)
+                await asyncio.to_thread(shutil.copyfile, base, db)
                 r = await timed(db, threads, embed_batch, args.batch, order)
                 results.append(r)
                 print(
                     f"embed batch {embed_batch:>4}, order {order:<6}: {r['turns_per_s']:>6.1f} "
                     f"turns/s ({r['turns']} turns, {r['embedded']} embedded, {r['seconds']} s)"
                 )
-                for suffix in ("", "-wal", "-shm", ".lock"):
-                    Path(f"{db}{suffix}").unlink(missing_ok=True)
+                await asyncio.to_thread(remove, db)
     load = [round(x, 2) for x in os.getloadavg()]
     print(f"load average at the end: {' / '.join(str(x) for x in load)} (1/5/15 min)")
     return {"machine": m, "load_end": load, "results": results}
