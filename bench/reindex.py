@@ -63,7 +63,7 @@ async def timed(db: Path, threads: int, embed_batch: int, batch: int, order: str
         def by_id(conn: Any, where: str, args: Any) -> list[int]:
             return sorted(original(conn, where, args))
 
-        vectable._by_length = by_id  # type: ignore[assignment]
+        vectable._by_length = by_id
     try:
         async with Store(db) as store:
             t0 = time.perf_counter()
@@ -71,7 +71,7 @@ async def timed(db: Path, threads: int, embed_batch: int, batch: int, order: str
             seconds = time.perf_counter() - t0
             assert report.finished and report.way == "build"
     finally:
-        vectable._by_length = original  # type: ignore[assignment]
+        vectable._by_length = original
         await emb.aclose()
     return {
         "threads": threads,
