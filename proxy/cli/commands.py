@@ -34,6 +34,7 @@ from proxy.slots.figures import offline_stats
 from proxy.slots.redis import forget_redis_slots, forget_redis_user
 from proxy.store.counters import memory_counts
 from proxy.store.forget import forget_session
+from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.naming import sessions_named
 from proxy.store.store import Store
 
@@ -268,11 +269,17 @@ def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
         raise BadRequest("--batch must be at least 1")
     with path.open("rb") as fh:
         total = sum(1 for line in fh if line.strip())
+    lock = DatabaseLock(db)  # shared, as a server's: never beside `engram reindex`
+    try:
+        lock.acquire(exclusive=False)
+    except DatabaseBusy:
+        return fail(f"`engram reindex` is re-embedding {db}; import when it has finished")
     progress = Progress(total, sys.stderr)
     try:
         report = asyncio.run(_import(settings, db, path, args.batch, progress))
     finally:
         progress.close()
+        lock.release()
     for err in report.errors[:MAX_ERRORS_SHOWN]:
         print(f"{path}:{err.line}: {err.reason}", file=sys.stderr)
     if len(report.errors) > MAX_ERRORS_SHOWN:

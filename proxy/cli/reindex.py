@@ -18,12 +18,12 @@ broken meanwhile: the old vectors serve their own model until the swap. Texts ar
 shortest first (a batch pads less), identical texts once (a vector already computed for the same
 text is copied), with one ONNX thread per core (``engram import`` does the same).
 
-A server must not run on the database meanwhile (its embedder would write the old model's
-vectors and search the new ones with the old model's queries): ``engram serve`` holds a shared
-lock beside the database (:mod:`proxy.store.lock`) and reindex needs it alone, so each refuses
-to start while the other runs. The other commands need no lock: one that stores turns
-(``engram import``) writes them with vectors of the old model, or none, and they are picked up
-before the swap, which checks that nothing is left inside its own transaction.
+Nothing else may write vectors meanwhile (a server's embedder would write the old model's
+vectors beside the new ones, and search the new ones with the old model's queries): ``engram
+serve`` and ``engram import`` hold a shared lock beside the database (:mod:`proxy.store.lock`)
+and reindex needs it alone, so each refuses to start while the other runs. Turns stored without
+vectors meanwhile are picked up before the swap, which checks inside its own transaction that
+none is left.
 """
 
 from __future__ import annotations

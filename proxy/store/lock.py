@@ -1,7 +1,7 @@
 """Who is using a database: a lock file beside it, ``<database>.lock``.
 
-``engram serve`` holds a shared lock on it while it runs (several servers may share one
-database); ``engram reindex`` needs it exclusively, so neither starts while the other runs. The
+``engram serve`` and ``engram import`` hold a shared lock on it while they run (several may
+share one database); ``engram reindex`` needs it exclusively, so it never runs beside them. The
 locks are ``flock`` locks: the system drops them when their process ends, however it ends
 (SIGKILL included), so a stale lock never blocks anyone. The file itself stays (removing a lock
 file races with the next locker) and holds nothing. Where ``fcntl`` is missing (Windows) nothing

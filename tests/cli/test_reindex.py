@@ -342,7 +342,7 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
     assert "continues where it stopped" in help_text and "--limit N" in help_text
 
 
-def test_reindex_refuses_beside_a_server_and_a_server_beside_it(tmp_path: Path) -> None:
+def test_reindex_refuses_beside_a_server_and_they_beside_it(tmp_path: Path) -> None:
     from proxy.store.lock import DatabaseBusy, DatabaseLock
 
     db = tmp_path / "e.db"
@@ -360,6 +360,9 @@ def test_reindex_refuses_beside_a_server_and_a_server_beside_it(tmp_path: Path) 
         running_reindex.acquire(exclusive=True)
         with pytest.raises(DatabaseBusy):
             DatabaseLock(db).acquire(exclusive=False)
+        # An import would write the old model's vectors beside the new ones: it waits its turn.
+        run = _engram(db, "import", str(_write(tmp_path)), model="hash-64")
+        assert run.returncode == 1 and "`engram reindex` is re-embedding" in run.stderr
 
 
 def _write(tmp_path: Path) -> Path:
