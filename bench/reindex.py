@@ -2,13 +2,15 @@
 re-embedded with the default MiniLM on every core, through :func:`proxy.cli.reindex.reindex`.
 
     .venv/bin/python -m bench.reindex [--turns 5000] [--batch 256] [--embed-batch 32 64]
-                                      [--orders length id] [--threads N] [--json out.json]
+                                      [--orders length id] [--sessions 1 2] [--json out.json]
 
-For each embedder batch size (texts per ONNX call) and each order of the turns, a fresh copy of
-the same database is re-indexed and timed: the figure is turns per second of the whole run
-(reading, embedding, writing the build table, the final swap), model load excluded. ``length``
-is what ``engram reindex`` does (shortest texts first, so a batch pads least); ``id`` is the
-database's order (each step of ``--batch`` turns still sorted within, as the embedder does).
+For each embedder batch size (texts per ONNX call), order of the turns and number of model
+sessions (every core used: ``cores / sessions`` ONNX threads each), a fresh copy of the same
+database is re-indexed and timed: the figure is turns per second of the whole run (reading,
+embedding, writing the build table, the final swap), model load excluded. ``length`` is what
+``engram reindex`` does (shortest texts first, so a batch pads least); ``id`` is the database's
+order (each step of ``--batch`` turns still sorted within, as the embedder does). Without
+``--sessions``, ``engram reindex``'s own layout (:func:`proxy.cli.reindex.session_layout`).
 Texts repeated in LoCoMo are embedded once either way. The machine line and load average are
 printed first; the load average again at the end (figures mean little above 1).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -27,7 +30,7 @@ from typing import Any
 
 from bench.common import DEFAULT_LOCOMO, load_locomo, locomo_records, machine, machine_lines
 from proxy.cli.importer import import_records
-from proxy.cli.reindex import reindex
+from proxy.cli.reindex import reindex, session_layout
 from proxy.search.embedder import DEFAULT_MODEL, FastEmbedEmbedder, HashEmbedder
 from proxy.store import Store, vectable
 
@@ -54,9 +57,15 @@ async def prepare(db: Path, recs: list[dict[str, Any]]) -> None:
     await old.aclose()
 
 
-async def timed(db: Path, threads: int, embed_batch: int, batch: int, order: str) -> dict[str, Any]:
-    emb = FastEmbedEmbedder(DEFAULT_MODEL, threads=threads, batch_size=embed_batch, lru_size=0)
-    await emb.load()
+async def timed(
+    db: Path, sessions: int, threads: int, embed_batch: int, batch: int, order: str
+) -> dict[str, Any]:
+    embs = [
+        FastEmbedEmbedder(DEFAULT_MODEL, threads=threads, batch_size=embed_batch, lru_size=0)
+        for _ in range(sessions)
+    ]
+    for emb in embs:
+        await emb.load()
     original = vectable._by_length
     if order == "id":  # the database's order instead of shortest first
 
@@ -67,13 +76,15 @@ async def timed(db: Path, threads: int, embed_batch: int, batch: int, order: str
     try:
         async with Store(db) as store:
             t0 = time.perf_counter()
-            report = await reindex(store, emb, batch=batch)
+            report = await reindex(store, embs[0], sessions=embs[1:], batch=batch)
             seconds = time.perf_counter() - t0
             assert report.finished and report.way == "build"
     finally:
         vectable._by_length = original
-        await emb.aclose()
+        for emb in embs:
+            await emb.aclose()
     return {
+        "sessions": sessions,
         "threads": threads,
         "embed_batch": embed_batch,
         "batch": batch,
@@ -90,24 +101,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for line in machine_lines(m):
         print(line)
     recs = records(args.data, args.turns)
-    threads = args.threads or os.cpu_count() or 1
+    cores = os.cpu_count() or 1
+    layouts = [(n, max(1, cores // n)) for n in args.sessions] or [session_layout(cores)]
     print(f"{len(recs)} LoCoMo turns stored with the hash model, re-embedded with {DEFAULT_MODEL}")
-    print(f"ONNX threads {threads}; step {args.batch} turns")
+    print(f"{cores} cores; step {args.batch} turns")
     results = []
     with tempfile.TemporaryDirectory(prefix="engram-bench-reindex-") as tmp:
         base = Path(tmp) / "base.db"
         await prepare(base, recs)
-        for embed_batch in args.embed_batch:
-            for order in args.orders:
-                db = Path(tmp) / f"run-{embed_batch}-{order}.db"
-                await asyncio.to_thread(shutil.copyfile, base, db)
-                r = await timed(db, threads, embed_batch, args.batch, order)
-                results.append(r)
-                print(
-                    f"embed batch {embed_batch:>4}, order {order:<6}: {r['turns_per_s']:>6.1f} "
-                    f"turns/s ({r['turns']} turns, {r['embedded']} embedded, {r['seconds']} s)"
-                )
-                await asyncio.to_thread(remove, db)
+        for (sessions, threads), embed_batch, order in itertools.product(
+            layouts, args.embed_batch, args.orders
+        ):
+            db = Path(tmp) / f"run-{sessions}-{embed_batch}-{order}.db"
+            await asyncio.to_thread(shutil.copyfile, base, db)
+            r = await timed(db, sessions, threads, embed_batch, args.batch, order)
+            results.append(r)
+            print(
+                f"{sessions} session(s) x {threads} thread(s), embed batch {embed_batch:>3}, "
+                f"order {order:<6}: {r['turns_per_s']:>6.1f} turns/s ({r['turns']} turns, "
+                f"{r['embedded']} embedded, {r['seconds']} s; load {os.getloadavg()[0]:.2f})"
+            )
+            await asyncio.to_thread(remove, db)
     load = [round(x, 2) for x in os.getloadavg()]
     print(f"load average at the end: {' / '.join(str(x) for x in load)} (1/5/15 min)")
     return {"machine": m, "load_end": load, "results": results}
@@ -120,7 +134,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="turns per reindex step")
     parser.add_argument("--embed-batch", type=int, nargs="+", default=[32])
     parser.add_argument("--orders", nargs="+", default=["length"], choices=("length", "id"))
-    parser.add_argument("--threads", type=int, default=0, help="ONNX threads (0: every core)")
+    parser.add_argument(
+        "--sessions", type=int, nargs="*", default=[], help="model sessions (default: reindex's)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     out = asyncio.run(run(args))
