@@ -186,8 +186,11 @@ async def test_interrupted_reindex_continues_to_the_same_end(tmp_path: Path) -> 
     old, new = HashEmbedder(384), HashEmbedder(256)
     for name in ("stopped.db", "whole.db"):
         await import_with(tmp_path / name, old, recs)
-    async with Store(tmp_path / "whole.db") as store:
-        assert (await reindex(store, new, batch=16)).finished
+    async with Store(tmp_path / "whole.db") as store:  # in one go, three model sessions at once
+        more = [HashEmbedder(256), HashEmbedder(256)]
+        assert (await reindex(store, new, sessions=more, batch=5)).finished
+        with pytest.raises(ValueError, match="same model"):
+            await reindex(store, new, sessions=[old])
     old_results = await results(tmp_path / "stopped.db", old)
     async with Store(tmp_path / "stopped.db") as store:
         first = await reindex(store, new, batch=8, limit=30)
