@@ -12,7 +12,9 @@ embedding, writing the build table, the final swap), model load excluded. ``leng
 order (each step of ``--batch`` turns still sorted within, as the embedder does). Without
 ``--sessions``, ``engram reindex``'s own layout (:func:`proxy.cli.reindex.session_layout`).
 Texts repeated in LoCoMo are embedded once either way. The machine line and load average are
-printed first; the load average again at the end (figures mean little above 1).
+printed first; the load average again at the end (figures mean little above 1). Turns per
+CPU-second (this process's user + system time, every thread) are printed beside: on a machine
+others share they vary less than the wall-clock rate.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import itertools
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -41,6 +44,12 @@ def records(path: Path, turns: int) -> list[dict[str, Any]]:
     for conv in convs:
         out += locomo_records(conv)
     return out[:turns]
+
+
+def cpu_seconds() -> float:
+    """User and system CPU time of this process so far, every thread included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def remove(db: Path) -> None:
@@ -75,9 +84,9 @@ async def timed(
         vectable._by_length = by_id
     try:
         async with Store(db) as store:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), cpu_seconds()
             report = await reindex(store, embs[0], sessions=embs[1:], batch=batch)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
             assert report.finished and report.way == "build"
     finally:
         vectable._by_length = original
@@ -93,6 +102,8 @@ async def timed(
         "embedded": report.embedded,
         "seconds": round(seconds, 2),
         "turns_per_s": round(report.done / seconds, 1),
+        "cpu_seconds": round(cpu, 2),
+        "turns_per_cpu_s": round(report.done / cpu, 1),
     }
 
 
@@ -119,7 +130,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"{sessions} session(s) x {threads} thread(s), embed batch {embed_batch:>3}, "
                 f"order {order:<6}: {r['turns_per_s']:>6.1f} turns/s ({r['turns']} turns, "
-                f"{r['embedded']} embedded, {r['seconds']} s; load {os.getloadavg()[0]:.2f})"
+                f"{r['embedded']} embedded, {r['seconds']} s; {r['turns_per_cpu_s']} turns per "
+                f"CPU-second; load {os.getloadavg()[0]:.2f})"
             )
             await asyncio.to_thread(remove, db)
     load = [round(x, 2) for x in os.getloadavg()]
