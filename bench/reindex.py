@@ -33,7 +33,7 @@ from typing import Any
 
 from bench.common import DEFAULT_LOCOMO, load_locomo, locomo_records, machine, machine_lines
 from proxy.cli.importer import import_records
-from proxy.cli.reindex import reindex, session_layout
+from proxy.cli.reindex import EMBED_BATCH, reindex, session_layout
 from proxy.search.embedder import DEFAULT_MODEL, FastEmbedEmbedder, HashEmbedder
 from proxy.store import Store, vectable
 
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_LOCOMO, help="locomo10.json")
     parser.add_argument("--turns", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=256, help="turns per reindex step")
-    parser.add_argument("--embed-batch", type=int, nargs="+", default=[32])
+    parser.add_argument("--embed-batch", type=int, nargs="+", default=[EMBED_BATCH])
     parser.add_argument("--orders", nargs="+", default=["length"], choices=("length", "id"))
     parser.add_argument(
         "--sessions", type=int, nargs="*", default=[], help="model sessions (default: reindex's)"
