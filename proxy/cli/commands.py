@@ -1,5 +1,6 @@
 """The ``engram`` commands that read or change memory: search, sessions, forget, export, import,
-stats, doctor. Each opens the database directly (no server needed) in one ``asyncio.run``.
+stats, doctor, reindex (:mod:`proxy.cli.reindex`). Each opens the database directly (no server
+needed) in one ``asyncio.run``.
 
 Exit codes: 0 done; 1 failed (nothing found, every import line bad, a doctor check failed);
 2 bad usage.
@@ -26,12 +27,14 @@ from proxy.config import Settings, replace
 from proxy.errors import BadRequest, EngramError
 from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.redact import redact
-from proxy.search.embedder import Embedder, from_settings
+from proxy.search.embedder import Embedder
+from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_embedder
 from proxy.search.retrieval import Retriever
 from proxy.slots.figures import offline_stats
 from proxy.slots.redis import forget_redis_slots, forget_redis_user
 from proxy.store.counters import memory_counts
 from proxy.store.forget import forget_session
+from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.naming import sessions_named
 from proxy.store.store import Store
 
@@ -51,6 +54,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             return import_file(args, settings, path)
         if args.command == "export":
             return export(args, path)
+        if args.command == "reindex":
+            from proxy.cli import reindex
+
+            return reindex.run(args, settings, path)
         return asyncio.run(_with_store(COMMANDS[args.command], args, settings, path))
     except BadRequest as exc:
         print(f"engram: {exc.message}", file=sys.stderr)
@@ -72,27 +79,13 @@ async def _with_store(command: Command, args: argparse.Namespace, s: Settings, p
 
 
 async def open_embedder(settings: Settings, store: Store) -> Embedder | None:
-    """The configured embedder, or None (with a warning) when it cannot be used here."""
-    cfg = settings.embedder
+    """The configured embedder, or None (with a warning saying why and what to do) when it
+    cannot be used here: it does not load, or the database's vectors are another model's."""
     try:
-        embedder = from_settings(cfg)
-        await embedder.load()
-    except Exception as exc:
-        print(
-            f"engram: warning: embedding model {cfg.model!r} failed to load: {exc}; "
-            "working without vectors",
-            file=sys.stderr,
-        )
+        return await usable_embedder(store, settings.embedder)
+    except (ModelUnavailable, VectorsMismatch) as exc:
+        print(f"engram: warning: working without vectors: {exc}", file=sys.stderr)
         return None
-    if not await store.ensure_embedding_model(embedder.name):
-        print(
-            f"engram: warning: the database holds vectors of another embedding model than "
-            f"{embedder.name!r}; working without vectors",
-            file=sys.stderr,
-        )
-        await embedder.aclose()
-        return None
-    return embedder
 
 
 def _print_json(value: Any) -> None:
@@ -276,11 +269,17 @@ def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
         raise BadRequest("--batch must be at least 1")
     with path.open("rb") as fh:
         total = sum(1 for line in fh if line.strip())
+    lock = DatabaseLock(db)  # shared, as a server's: never beside `engram reindex`
+    try:
+        lock.acquire(exclusive=False)
+    except DatabaseBusy:
+        return fail(f"`engram reindex` is re-embedding {db}; import when it has finished")
     progress = Progress(total, sys.stderr)
     try:
         report = asyncio.run(_import(settings, db, path, args.batch, progress))
     finally:
         progress.close()
+        lock.release()
     for err in report.errors[:MAX_ERRORS_SHOWN]:
         print(f"{path}:{err.line}: {err.reason}", file=sys.stderr)
     if len(report.errors) > MAX_ERRORS_SHOWN:

@@ -1,7 +1,8 @@
 """``engram doctor``: check what Engram needs, one line each, ok or FAIL with the detail.
 
 SQLite driver and version, FTS5, sqlite-vec, the database file, the embedding model (loads and
-embeds a sentence), the upstream (found and answering), Redis when one is configured.
+embeds a sentence), whose model the database's vectors are (the configured one, or ``engram
+reindex`` is due), the upstream (found and answering), Redis when one is configured.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from proxy.config import Settings
 from proxy.masking import display_url
 from proxy.paths import default_db_path
 from proxy.redact import redact
-from proxy.search.embedder import from_settings
+from proxy.search.loading import ModelUnavailable, load_embedder
+from proxy.search.model_check import REINDEX, mismatch_message
 from proxy.store.db import database_info
 from proxy.store.store import Store
+from proxy.store.vectable import vector_state
 from proxy.upstream import LLAMACPP_DEFAULT, OLLAMA_DEFAULT, Upstream, detect
 
 
@@ -83,24 +86,49 @@ async def database_check(settings: Settings) -> Check:
     )
 
 
-async def embedder_check(settings: Settings) -> Check:
+async def embedder_check(settings: Settings) -> tuple[Check, tuple[str, int] | None]:
+    """The model's check, and its name and dimension when it works."""
     cfg = settings.embedder
     start = time.perf_counter()
     try:
-        embedder = from_settings(cfg)
-    except Exception as exc:
-        return Check("model", False, f"{cfg.model}: {exc}")
+        embedder = await load_embedder(cfg)
+    except ModelUnavailable as exc:
+        return Check("model", False, str(exc)), None
     try:
-        await embedder.load()
         (vec,) = await embedder.embed_queries(["Engram doctor: does the embedding model work?"])
     except Exception as exc:
-        return Check("model", False, f"{cfg.model}: {exc}")
+        return Check("model", False, f"{cfg.model}: {exc}"), None
     finally:
         await embedder.aclose()
     ms = (time.perf_counter() - start) * 1000
-    return Check(
-        "model", True, f"{embedder.name}: {vec.shape[0]}-d, loaded and embedded in {ms:.0f} ms"
-    )
+    detail = f"{embedder.name}: {vec.shape[0]}-d, loaded and embedded in {ms:.0f} ms"
+    return Check("model", True, detail), (embedder.name, int(vec.shape[0]))
+
+
+async def vectors_check(settings: Settings, model: tuple[str, int] | None) -> Check:
+    """Whose model the stored vectors are, against the configured one."""
+    path = database_path(settings)
+    if not path.exists():
+        return Check("vectors", None, "no database yet")
+    try:
+        async with Store(path) as store:
+            state = await store.read(vector_state)
+    except Exception as exc:
+        return Check("vectors", False, f"{path}: {exc}")
+    if model is None:
+        return Check("vectors", None, f"{state.vectors} vectors of {state.model or 'no model'}")
+    name, dim = model
+    if state.vectors and (state.model != name or state.dim != dim):
+        return Check("vectors", False, mismatch_message(state, name, dim, str(path)))
+    detail = f"{state.vectors} of {state.turns} turns with text have a vector of {name} ({dim}-d)"
+    if state.vectors < state.turns:
+        detail += f"; the rest get one in the background, or now with `{REINDEX}`"
+    if state.build_model is not None:
+        detail += (
+            f"; a reindex towards {state.build_model} was left after {state.built} turns "
+            "(it continues when run with that model)"
+        )
+    return Check("vectors", True, detail)
 
 
 async def upstream_check(settings: Settings) -> Check:
@@ -140,10 +168,12 @@ async def redis_check(settings: Settings) -> Check:
 
 
 async def checks(settings: Settings) -> list[Check]:
+    model_check, model = await embedder_check(settings)
     return [
         *sqlite_checks(),
         await database_check(settings),
-        await embedder_check(settings),
+        model_check,
+        await vectors_check(settings, model),
         await upstream_check(settings),
         await redis_check(settings),
     ]

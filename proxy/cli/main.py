@@ -68,14 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MEMORY_COMMANDS = ("search", "sessions", "forget", "export", "import", "stats", "doctor")
+MEMORY_COMMANDS = (
+    "search",
+    "sessions",
+    "forget",
+    "export",
+    "import",
+    "stats",
+    "doctor",
+    "reindex",
+)
 
 
 def _memory_commands(sub: Any) -> None:
     """The commands that read or change memory (implemented in proxy.cli.commands)."""
 
-    def add(name: str, help: str) -> argparse.ArgumentParser:
-        p: argparse.ArgumentParser = sub.add_parser(name, help=help)
+    def add(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
         _common(p)
         p.add_argument("--db", metavar="PATH", help="the memory database file")
         return p
@@ -105,6 +114,19 @@ def _memory_commands(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p = add("doctor", "check SQLite, FTS5, sqlite-vec, the model, the upstream")
     p.add_argument("--upstream", metavar="URL", help="model server base URL")
+    p = add(
+        "reindex",
+        "re-embed every turn with the configured embedding model (resumable)",
+        "Give every turn a vector of embedder.model: those whose vector is missing or was made "
+        "by another model (after embedder.model changed). The current vectors keep serving "
+        "until the new ones replace them in one step at the end; interrupted (Ctrl-C, a crash), "
+        "it continues where it stopped when run again. Stop `engram serve` on the database "
+        "first: reindex refuses to run beside it.",
+    )
+    p.add_argument("--batch", type=int, default=256, help="turns per step (default 256)")
+    p.add_argument(
+        "--limit", type=int, metavar="N", help="stop after N turns (run again to continue)"
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -229,16 +251,22 @@ def _serve(settings: Settings) -> int:
             server.port,
         )
 
-    web.run_app(
-        app,
-        loop=new_event_loop(server.event_loop),
-        host=server.host,
-        port=server.port,
-        shutdown_timeout=server.shutdown_timeout,
-        handler_cancellation=True,
-        access_log=None,
-        print=announce,
-    )
+    from proxy.services import StartupRefused
+
+    try:
+        web.run_app(
+            app,
+            loop=new_event_loop(server.event_loop),
+            host=server.host,
+            port=server.port,
+            shutdown_timeout=server.shutdown_timeout,
+            handler_cancellation=True,
+            access_log=None,
+            print=announce,
+        )
+    except StartupRefused as exc:
+        print(f"engram: not starting: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

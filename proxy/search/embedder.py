@@ -21,7 +21,7 @@ calls.
   (downloaded from the hub) or a local model folder (ONNX file plus tokenizer files) can be
   given instead.
 - :class:`HashEmbedder` — a deterministic bag-of-words fake for tests: texts that share words
-  have similar vectors; no model, no files.
+  have similar vectors; no model, no files (``"hash"``: 384-d; ``"hash-<dim>"``: another size).
 
 :func:`create_embedder` turns a configuration string into one of them.
 """
@@ -270,7 +270,8 @@ class FastEmbedEmbedder(CachingEmbedder):
         self._cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._threads = threads
         self._dim = MINILM_DIM if model == DEFAULT_MODEL else dim
-        self._local_dir = Path(model) if model != DEFAULT_MODEL and Path(model).is_dir() else None
+        folder = Path(model).expanduser()
+        self._local_dir = folder if model != DEFAULT_MODEL and folder.is_dir() else None
         self._models: dict[Kind, Any] = {}
 
     @property
@@ -334,7 +335,11 @@ def create_embedder(
     threads: int | None = DEFAULT_THREADS,
     batch_size: int = 32,
 ) -> Embedder:
-    """The embedder a configuration string names: ``"hash"``, a model folder or a model name."""
+    """The embedder a configuration string names: ``"hash"`` (or ``"hash-<dim>"``), a model
+    folder or a model name."""
     if model == HASH_MODEL:
         return HashEmbedder(batch_size=batch_size)
+    fake = re.fullmatch(rf"{HASH_MODEL}-([1-9][0-9]{{0,4}})", model)
+    if fake is not None:
+        return HashEmbedder(int(fake.group(1)), batch_size=batch_size)
     return FastEmbedEmbedder(model, cache_dir=cache_dir, threads=threads, batch_size=batch_size)

@@ -8,6 +8,9 @@
   a connection (so is every module below that owns tables).
 - :mod:`proxy.store.indexing` — the turns' vectors and their deferred full-text rows.
 - :mod:`proxy.store.search` — FTS5 and vector search (exact or bit-quantised) in one namespace.
+- :mod:`proxy.store.vectable` — which model made the vectors, ``turn_vec``'s dimension, and the
+  build table ``engram reindex`` fills and swaps in; :mod:`proxy.store.lock` — the lock file that
+  keeps ``engram reindex`` apart from the processes that write vectors.
 - :mod:`proxy.store.store` — :class:`Store`: writer thread, reader pool, async methods.
 
 The tables of the stages above, each module the SQL of what it owns (run through

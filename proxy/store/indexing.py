@@ -18,25 +18,30 @@ import numpy as np
 from proxy.store import vec_cache
 from proxy.store.db import Connection
 from proxy.store.fts_sql import fts_reindex_sql
-from proxy.store.migrations import EMBED_DIM
 from proxy.store.models import Turn
 from proxy.store.rows import TURN_COLS, json_list, turn_of
+from proxy.store.vectable import stamp_model_id
 from proxy.vectors import Vector, as_vector, to_blob
 
 
-def check_vector(vec: Vector) -> Vector:
-    """``vec`` as float32, or a ValueError when it has not :data:`EMBED_DIM` dimensions."""
+def check_vector(vec: Vector, dim: int | None) -> Vector:
+    """``vec`` as 1-D float32, or a ValueError when it has not ``dim`` dimensions (the table's,
+    :func:`proxy.store.vectable.table_dim`; None: left to sqlite-vec, which refuses another
+    length too)."""
     vec = as_vector(vec)
-    if vec.shape != (EMBED_DIM,):
-        raise ValueError(f"vectors must have {EMBED_DIM} dimensions, got {vec.shape[0]}")
+    if dim is not None and vec.shape != (dim,):
+        raise ValueError(
+            f"vectors must have {dim} dimensions (those of turn_vec's model), got {vec.shape[0]}"
+        )
     return vec
 
 
 def insert_vector(
     conn: Connection, turn_id: int, user_id: str, session_id: str, indexed: bool, vec: Vector
 ) -> None:
-    """Add a turn's vector (and its bit-quantised copy) to ``turn_vec``."""
-    blob = to_blob(check_vector(vec))
+    """Add a turn's vector (and its bit-quantised copy) to ``turn_vec``. The caller records
+    its model (``turns.embed_model``, :func:`proxy.store.vectable.stamp_model_id`)."""
+    blob = to_blob(check_vector(vec, None))
     conn.execute(
         "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed) "
         "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
@@ -72,11 +77,13 @@ def pending_index_ids(conn: Connection, limit: int) -> list[int]:
 
 
 def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> int:
-    """Store (turn id, vector, embed hash) for existing turns, replacing any vector they had.
+    """Store (turn id, vector, embed hash) for existing turns, replacing any vector they had;
+    each records the table's model.
 
     Returns how many turns got one (ids that no longer exist are skipped).
     """
     done = 0
+    model = stamp_model_id(conn)
     for turn_id, vec, embed_hash in items:
         row = conn.execute(
             "SELECT t.user_id, t.session_id, s.indexed FROM turns t"
@@ -87,7 +94,10 @@ def set_vectors(conn: Connection, items: Sequence[tuple[int, Vector, str]]) -> i
             continue
         conn.execute("DELETE FROM turn_vec WHERE turn_id = ?", (turn_id,))
         insert_vector(conn, turn_id, row[0], row[1], bool(row[2]), vec)
-        conn.execute("UPDATE turns SET embed_hash = ? WHERE id = ?", (embed_hash, turn_id))
+        conn.execute(
+            "UPDATE turns SET embed_hash = ?, embed_model = ? WHERE id = ?",
+            (embed_hash, model, turn_id),
+        )
         done += 1
     return done
 

@@ -64,6 +64,9 @@ Conventions the schema fixes (migration 1):
   derived from a deleted session (hand-backs too, not only facts); ``slot_sessions`` links slots to
   the sessions that used them. :func:`migrate` then sets ``auto_vacuum = INCREMENTAL``
   (:func:`proxy.store.scrub.ensure_incremental_vacuum`; a one-time ``VACUUM`` for older files).
+- Migration 11 (the model of every vector, :mod:`proxy.store.vectable`): ``embed_models`` and
+  ``turns.embed_model``, written with ``embed_hash``. ``turn_vec`` takes the dimension of its
+  model: :data:`EMBED_DIM` is only that of a new database's table.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ FTS_TOKENIZE = "porter unicode61 remove_diacritics 2"
 """FTS5 tokenizer of ``turns_fts`` in new databases."""
 
 EMBED_DIM = 384
-"""Vector length of ``turn_vec.embedding``."""
+"""Vector length of ``turn_vec.embedding`` in a new database (the default model's); the table is
+rebuilt for the dimension of the model it holds (:mod:`proxy.store.vectable`)."""
 
 
 def _m001_initial(conn: Connection) -> None:
@@ -308,6 +312,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (8, later.m008_api_keys),
     (9, later.m009_forgetting),
     (10, later.m010_turn_api),
+    (11, later.m011_embed_models),
 )
 """(version, function), ascending. Append only."""
 

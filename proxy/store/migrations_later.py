@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 
 from proxy.store.db import Connection, driver
+from proxy.store.vectable import MODEL_KEY, table_dim
 
 
 def execute_script(conn: Connection, script: str) -> None:
@@ -100,3 +101,30 @@ def m010_turn_api(conn: Connection) -> None:
     ``openai-responses``, ``ollama``), shown by the admin API and the CLI; NULL for turns stored
     before, and for imported ones."""
     execute_script(conn, "ALTER TABLE turns ADD COLUMN api TEXT;")
+
+
+def m011_embed_models(conn: Connection) -> None:
+    """The model of every vector (:mod:`proxy.store.vectable`): ``embed_models`` lists the
+    models (name, dimension); ``turns.embed_model`` is the model of the turn's vector, set with
+    ``embed_hash``. The vectors already stored are the model ``meta`` names: its id is the new
+    column's default, so no existing row is rewritten (a turn without a vector reads it too;
+    ``embed_model`` means something only where ``embed_hash`` is set)."""
+    execute_script(
+        conn,
+        """
+        CREATE TABLE embed_models (
+            id   INTEGER PRIMARY KEY,
+            name TEXT NOT NULL UNIQUE,              -- as the embedder names it
+            dim  INTEGER NOT NULL CHECK (dim > 0)
+        );
+        """,
+    )
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (MODEL_KEY,)).fetchone()
+    default = "NULL"
+    if row is not None:
+        cur = conn.execute(
+            "INSERT INTO embed_models(name, dim) VALUES (?, ?)", (row[0], table_dim(conn))
+        )
+        default = str(int(cur.lastrowid or 0))
+    # No REFERENCES: SQLite refuses a foreign-key column with a non-NULL default.
+    conn.execute(f"ALTER TABLE turns ADD COLUMN embed_model INTEGER DEFAULT {default}")

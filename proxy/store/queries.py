@@ -28,6 +28,7 @@ from proxy.store.models import (
     text_hash,
 )
 from proxy.store.rows import SESSION_COLS, TURN_COLS, TURN_COLS_T, json_list, session_of, turn_of
+from proxy.store.vectable import stamp_model_id
 from proxy.vectors import Vector
 
 # -- users and sessions ---------------------------------------------------------------------
@@ -204,6 +205,7 @@ def insert_turns(
     if session.user_id != user_id:
         raise SessionConflict(f"session {session_id!r} belongs to another user namespace")
     ids: list[tuple[int, NewTurn]] = []
+    model = stamp_model_id(conn) if any(v is not None for v in vectors) else None
     for turn, vec in zip(turns, vectors, strict=True):
         embed_hash = None
         if vec is not None:
@@ -211,7 +213,8 @@ def insert_turns(
         cur = conn.execute(
             "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
             " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete,"
-            " fts_pending, api) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " fts_pending, api, embed_model)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(session_id, position) DO NOTHING",
             (
                 session_id,
@@ -231,6 +234,7 @@ def insert_turns(
                 int(turn.incomplete),
                 int(fts_pending),
                 turn.api,
+                model if vec is not None else None,
             ),
         )
         if cur.rowcount != 1 or cur.lastrowid is None:

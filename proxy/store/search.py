@@ -331,8 +331,10 @@ def vec_search(
     quantized: bool,
     exclude_sessions: Sequence[str] = (),
     exclude_roles: Sequence[str] = (),
+    dim: int | None = None,
 ) -> list[tuple[int, float]]:
-    """(turn id, cosine distance) nearest first, within one user's partition.
+    """(turn id, cosine distance) nearest first, within one user's partition. ``dim``: the
+    table's dimension (a query of another length is a ValueError).
 
     ``quantized``: rank by Hamming distance of the sign bits, then re-score
     ``QUANTIZED_OVERSAMPLE`` times as many candidates by exact cosine distance. Turns of
@@ -342,7 +344,7 @@ def vec_search(
     """
     if limit <= 0:
         return []
-    query = to_blob(check_vector(vec))
+    query = to_blob(check_vector(vec, dim))
     excluded = set(exclude_ids)
     skip_sessions = list(dict.fromkeys(exclude_sessions))
     in_knn, after_knn = skip_sessions[:VEC_EXCLUDE_IN_KNN], skip_sessions[VEC_EXCLUDE_IN_KNN:]

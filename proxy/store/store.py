@@ -33,7 +33,9 @@ Public surface (all ``async`` except the constructor)::
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
     export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
-    stats() -> StoreStats;  ensure_embedding_model(name) -> bool   False: another model's
+    stats() -> StoreStats
+    ensure_embedding_model(name, dim=None) -> bool   False when turn_vec holds another model's
+                                vectors (store.vectable); vec_dim: turn_vec's dimension
 
 Search scope: with ``session_ids=None`` a search covers the user's sessions whose ``indexed``
 flag is set (sub-agent sessions are created unindexed); with a list, exactly those sessions.
@@ -53,7 +55,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search, vec_cache
+from proxy.store import indexing, queries, search, vec_cache, vectable
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -65,7 +67,6 @@ from proxy.vectors import Vector
 
 T = TypeVar("T")
 
-_EMBED_MODEL_KEY = "embedding_model"
 # How long a user's turn count (which picks exact or quantised KNN) is trusted.
 _COUNT_TTL_S = 30.0
 
@@ -98,6 +99,7 @@ class Store:
         self._reader_conns: list[Connection] = []
         self._conns_lock = threading.Lock()
         self._user_counts: dict[str, tuple[float, int]] = {}
+        self.vec_dim: int | None = None  # turn_vec's, read at open
         self._words = search.UserWordCounts()
         self.vectors = vec_cache.VectorCache()  # the exact KNN in numpy (store.vec_cache)
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
@@ -119,6 +121,7 @@ class Store:
             try:
                 migrate(conn)
                 vec_cache.install_triggers(conn)
+                self.vec_dim = vectable.table_dim(conn)
             except BaseException:
                 conn.close()
                 raise
@@ -273,12 +276,15 @@ class Store:
         now = time.time()
         turns = list(turns)
         vecs = list(vectors) if vectors is not None else None
+        for vec in vecs or ():
+            if vec is not None:
+                indexing.check_vector(vec, self.vec_dim)
         return await self.write(
             lambda c: queries.add_turns(c, session_id, user_id, turns, vecs, now)
         )
 
     async def set_vectors(self, items: Sequence[tuple[int, Vector, str]]) -> int:
-        items = list(items)
+        items = [(i, indexing.check_vector(v, self.vec_dim), h) for i, v, h in items]
         return await self.write(lambda c: indexing.set_vectors(c, items))
 
     async def turns_without_vectors(
@@ -370,17 +376,9 @@ class Store:
                 exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
             if found is not None:
                 return found
-            return search.vec_search(
-                c,
-                user_id,
-                vector,
-                limit,
-                session_ids=sessions,
-                exclude_ids=excluded,
-                quantized=quantized,
-                exclude_sessions=skip,
-                exclude_roles=roles,
-            )
+            return search.vec_search(c, user_id, vector, limit, session_ids=sessions,
+                exclude_ids=excluded, quantized=quantized, exclude_sessions=skip,
+                exclude_roles=roles, dim=self.vec_dim)  # fmt: skip
 
         return await self.read(job)
 
@@ -447,14 +445,12 @@ class Store:
     async def stats(self) -> StoreStats:
         return await self.read(lambda c: queries.stats(c, self.path))
 
-    async def ensure_embedding_model(self, name: str) -> bool:
-        """Record ``name`` as the model of ``turn_vec`` if none is; False if another one is."""
+    async def ensure_embedding_model(self, name: str, dim: int | None = None) -> bool:
+        """Record ``name`` (of ``dim`` dimensions) as the model of ``turn_vec`` if that loses no
+        vector; False if the table holds another model's (:func:`vectable.claim_model`)."""
 
-        def job(c: Connection) -> bool:
-            current = queries.get_meta(c, _EMBED_MODEL_KEY)
-            if current is None:
-                queries.set_meta(c, _EMBED_MODEL_KEY, name)
-                return True
-            return current == name
+        def job(c: Connection) -> tuple[bool, int]:
+            return vectable.claim_model(c, name, dim), vectable.table_dim(c)
 
-        return await self.write(job)
+        ok, self.vec_dim = await self.write(job)
+        return ok

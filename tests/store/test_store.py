@@ -363,7 +363,12 @@ async def test_get_turns_can_be_confined_to_a_user(store: Store) -> None:
 async def test_embedding_model_is_recorded_once(store: Store) -> None:
     assert await store.ensure_embedding_model("m1") is True
     assert await store.ensure_embedding_model("m1") is True
-    assert await store.ensure_embedding_model("m2") is False
+    # No vector stored yet: another model may take the table over, losing nothing.
+    assert await store.ensure_embedding_model("m2") is True
+    await store.get_or_create_session("u", "s")
+    await store.add_turns("s", "u", [NewTurn(0, "user", "x")], [unit(1)])
+    assert await store.ensure_embedding_model("m2") is True
+    assert await store.ensure_embedding_model("m1") is False
 
 
 @pytest.mark.asyncio

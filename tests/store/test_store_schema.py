@@ -101,7 +101,9 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "source_session",
         "fts_pending",
         "api",
+        "embed_model",
     ]
+    assert _columns(conn, "embed_models") == ["id", "name", "dim"]
     assert _objects(conn, "trigger") == {
         "turns_ai",
         "turns_au",
