@@ -378,7 +378,9 @@ def vec_search(
                 + " ORDER BY distance",
                 [query, want, *extra],
             ).fetchall()
-            return [(int(r[0]), float(r[1])) for r in rows], len(rows) >= want
+            # ties by turn id, as the in-memory plan (store.vec_cache) orders them
+            found = sorted(((int(r[0]), float(r[1])) for r in rows), key=lambda r: (r[1], r[0]))
+            return found, len(rows) >= want
         k = min(VEC_MAX_K, max(QUANTIZED_MIN_K, want * QUANTIZED_OVERSAMPLE))
         candidates = [
             r[0]
