@@ -31,7 +31,20 @@ from proxy.store.models import EMBED_CHARS, index_text, text_hash
 from proxy.vectors import Vector
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_LOCOMO = ROOT.parent / "shared" / "bench" / "locomo" / "locomo10.json"
+def _locomo_path() -> Path:
+    """LoCoMo's data, read in place: ``$ENGRAM_LOCOMO``, else the shared folder beside this
+    checkout, else the workplace's shared folder (a clone elsewhere, as CI makes)."""
+    if os.environ.get("ENGRAM_LOCOMO"):
+        return Path(os.environ["ENGRAM_LOCOMO"])
+    tail = Path("shared") / "bench" / "locomo" / "locomo10.json"
+    beside = ROOT.parent / tail
+    for candidate in (beside, Path("/work") / tail):
+        if candidate.is_file():
+            return candidate
+    return beside
+
+
+DEFAULT_LOCOMO = _locomo_path()
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "engram-bench"
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 

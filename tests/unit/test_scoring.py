@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from proxy.config import RetrievalSettings
 from proxy.search.scoring import FEATURES, LENGTH_CAP, Candidate, features, named_speakers
 from proxy.search.scoring import scored_fusion as fuse
 
@@ -42,16 +43,30 @@ def test_features_of_each_candidate() -> None:
     rows = features(cs, "Caroline's research", vec_ids=[2, 3])
     first, second, third = (row(rows, i) for i in range(3))
     assert first["fts"] == 1.0 and second["fts"] == 0.5 and third["fts"] == 0.0
-    assert [r["vec"] for r in (first, second, third)] == [0.2, 0.6, 0.4]
+    # cosines stretched over the vector list (0.6 .. 0.4): its best 1, its last (or less) 0
+    assert [r["vec"] for r in (first, second, third)] == [0.0, 1.0, 0.0]
     assert (first["speaker"], second["speaker"]) == (1.0, 0.0)
     # the session's best match counts for each of its turns
     assert first["session"] == second["session"] == 1.0 and third["session"] == 0.0
-    # turn 1's neighbour (position 1) is in the vector list at 0.6; turn 2's neighbour (1) is
-    # not, nor is anything next to turn 3: the list's least cosine (0.4)
-    assert first["neighbour"] == 0.6 and second["neighbour"] == 0.4 and third["neighbour"] == 0.4
-    assert second["length"] == 1.0  # capped
+    # turn 1's neighbour (position 1) is the vector list's best; turn 2's neighbour (0) is not
+    # in the list, nor is anything next to turn 3
+    assert first["neighbour"] == 1.0 and second["neighbour"] == 0.0 and third["neighbour"] == 0.0
+    assert first["length"] == second["length"] == 1.0  # 100 and 5,000 characters: capped
     assert third["length"] == 0.0
-    assert math.isclose(first["length"], math.log1p(100) / math.log1p(LENGTH_CAP))
+    short = features([cand(4, chars=7, bm25=-1.0)], "q", vec_ids=[])
+    assert math.isclose(row(short, 0)["length"], math.log1p(7) / math.log1p(LENGTH_CAP))
+
+
+def test_a_short_message_both_paths_rank_first_beats_the_long_reply_after_it() -> None:
+    """What the end-to-end test with the real model saw: the user's fact (first in both paths)
+    and the model's long reply to it (second in both), side by side in one session."""
+    fact = cand(1, pos=0, chars=59, bm25=-6.0, cosine=0.62)
+    reply = cand(2, pos=1, chars=900, bm25=-4.5, cosine=0.55)
+    other = cand(3, session="t", pos=4, chars=200, bm25=-1.0, cosine=0.30)
+    ranks = {"fts": [1, 2, 3], "vec": [1, 2, 3]}
+    fused = fuse([reply, fact, other], "Which cat breed does my sister raise?", ranks,
+                 RetrievalSettings().score_weights())  # fmt: skip
+    assert [f.id for f in fused] == [1, 2, 3]
 
 
 def test_without_a_vector_path_the_vector_features_are_zero() -> None:
