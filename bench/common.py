@@ -31,6 +31,8 @@ from proxy.store.models import EMBED_CHARS, index_text, text_hash
 from proxy.vectors import Vector
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
 def _locomo_path() -> Path:
     """LoCoMo's data, read in place: ``$ENGRAM_LOCOMO``, else the shared folder beside this
     checkout, else the workplace's shared folder (a clone elsewhere, as CI makes)."""
