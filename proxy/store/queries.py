@@ -388,18 +388,5 @@ def stats(conn: Connection, path: Path | None) -> StoreStats:
     )
 
 
-def get_meta(conn: Connection, key: str) -> str | None:
-    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    return str(row[0]) if row is not None else None
-
-
-def set_meta(conn: Connection, key: str, value: str) -> None:
-    conn.execute(
-        "INSERT INTO meta(key, value) VALUES (?, ?)"
-        " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-        (key, value),
-    )
-
-
 def now() -> float:
     return time.time()
