@@ -22,7 +22,6 @@ from proxy.search.embedder import Embedder
 from proxy.search.fts_query import STOP_WORDS, match_of, query_words
 from proxy.search.fusion import Fused, mmr, rrf
 from proxy.search.scoring import Candidate, scored_fusion
-from proxy.store.indexing import turn_vectors
 from proxy.store.models import Turn
 from proxy.store.store import Store
 from proxy.vectors import Vector, as_vector
@@ -155,7 +154,7 @@ class Retriever:
             return []
         turns = {t.id: t for t in await self.store.get_turns(ids, user_id=user_id)}
         if mode == "hybrid" and s.fusion == "scored":
-            candidates = await self._candidates(turns, fts_rows, vec_rows, qvec)
+            candidates = await self._candidates(user_id, turns, fts_rows, vec_rows, qvec)
             if scoring is not None:
                 scoring.append(Scoring(candidates, rankings))
             fused = scored_fusion(candidates, query, rankings, s.score_weights())
@@ -163,11 +162,12 @@ class Retriever:
             fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
         kept = [f for f in fused if f.id in turns and (keep is None or keep(turns[f.id]))]
         if (s.mmr if use_mmr is None else use_mmr) and qvec is not None and len(kept) > 1:
-            kept = await self._mmr(kept, qvec, k)
+            kept = await self._mmr(user_id, kept, qvec, k)
         return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
 
     async def _candidates(
         self,
+        user_id: str,
         turns: dict[int, Turn],
         fts_rows: list[tuple[int, float]],
         vec_rows: list[tuple[int, float]],
@@ -179,8 +179,7 @@ class Retriever:
         missing = [i for i in turns if i not in cosine]
         if qvec is not None and missing:
             q = as_vector(qvec)
-            user = next(iter(turns.values())).user_id
-            for turn_id, v in (await self.store.turn_vectors(user, missing)).items():
+            for turn_id, v in (await self.store.turn_vectors(user_id, missing)).items():
                 cosine[turn_id] = float(np.dot(v, q))  # both L2-normalised
         bm25 = dict(fts_rows)
         return [
@@ -223,9 +222,11 @@ class Retriever:
         kept = [w for w in words if shares.get(w, 0.0) <= share]
         return kept or [min(words, key=lambda w: shares.get(w, 0.0))]
 
-    async def _mmr(self, fused: list[Fused[int]], qvec: Vector, k: int) -> list[Fused[int]]:
+    async def _mmr(
+        self, user_id: str, fused: list[Fused[int]], qvec: Vector, k: int
+    ) -> list[Fused[int]]:
         pool = fused[: max(k * 4, 20)]
-        vectors = await self.store.read(lambda c: turn_vectors(c, [f.id for f in pool]))
+        vectors = await self.store.turn_vectors(user_id, [f.id for f in pool])
         # Fused scores have no fixed scale (RRF's are tiny, 1/(k + rank); scored fusion's
         # bunch up near the top): stretch the pool's to [0, 1] so relevance and similarity
         # weigh on the same scale.
