@@ -52,7 +52,7 @@ from bench.common import (
     machine_lines,
 )
 from proxy.config import RetrievalSettings
-from proxy.search.embedder import create_embedder
+from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.retrieval import Retriever
 from proxy.store import Store
 
@@ -263,7 +263,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [{k: defaults[k] for k in shown} | parse_config(c) for c in args.config] or [
         {k: defaults[k] for k in shown}
     ]
-    embedder = DiskCachedEmbedder(create_embedder(threads=args.threads), args.cache_dir)
+    embedder = DiskCachedEmbedder(create_embedder(args.model, threads=args.threads), args.cache_dir)
     out: dict[str, Any] = {
         "machine": machine(),
         "data": str(args.data),
@@ -319,6 +319,9 @@ def main() -> int:
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="embedding cache")
     parser.add_argument("--threads", type=int, default=1, help="ONNX threads of the embedder")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="embedding model (as [embedder] model takes it)"
+    )
     parser.add_argument(
         "--via",
         choices=("auto", "importer", "store"),
