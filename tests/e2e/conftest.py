@@ -29,7 +29,7 @@ from proxy.services import SERVICES
 from proxy.store.models import Turn
 from testing.harness import Engram, start_engram
 
-REAL_EMBEDDER = {"model": "engram/all-MiniLM-L6-v2-int8"}
+REAL_EMBEDDER = {"model": "engram/all-MiniLM-L6-v2-q8"}
 CTX = 2048
 START_TIMEOUT_S = 90.0
 

@@ -16,7 +16,7 @@ from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, settle, start_engram
 
 API = "/engram/api"
-REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-int8"}
+REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-q8"}
 RESULT_KEYS = {"id", "session", "role", "speaker", "content", "timestamp", "score", "ranks"}
 
 DATA: list[dict[str, Any]] = [

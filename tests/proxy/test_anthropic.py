@@ -27,7 +27,7 @@ from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
-REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-int8"}
+REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-q8"}
 MODEL = "claude-sonnet-4"
 FACT = "My sister Marta lives in Porto and she breeds Siamese cats."
 TOOL = {"id": "toolu_01A", "name": "get_weather", "input": {"city": "Lisbon"}}

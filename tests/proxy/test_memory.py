@@ -19,7 +19,7 @@ from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
-REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-int8"}
+REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-q8"}
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
 

@@ -25,7 +25,7 @@ from testing.harness import Engram, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
-REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-int8"}
+REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-q8"}
 WEATHER_TOOL = {
     "type": "function",
     "name": "get_weather",

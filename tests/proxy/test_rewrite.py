@@ -147,7 +147,7 @@ async def test_stable_mode_puts_memories_before_the_new_user_message(
     strict: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     e = await start_engram(
-        strict.url, prompt={"mode": "stable"}, embedder={"model": "engram/all-MiniLM-L6-v2-int8"}
+        strict.url, prompt={"mode": "stable"}, embedder={"model": "engram/all-MiniLM-L6-v2-q8"}
     )
     try:
         await post(

