@@ -18,6 +18,7 @@ from proxy.config import Settings
 from proxy.masking import display_url
 from proxy.paths import default_db_path
 from proxy.redact import redact
+from proxy.search.embedder import DEFAULT_MODEL, PREVIOUS_DEFAULT
 from proxy.search.loading import ModelUnavailable, load_embedder
 from proxy.search.model_check import REINDEX, mismatch_message
 from proxy.store.db import database_info
@@ -118,6 +119,14 @@ async def vectors_check(settings: Settings, model: tuple[str, int] | None) -> Ch
     if model is None:
         return Check("vectors", None, f"{state.vectors} vectors of {state.model or 'no model'}")
     name, dim = model
+    if state.vectors and name == DEFAULT_MODEL and state.model == PREVIOUS_DEFAULT:
+        return Check(
+            "vectors",
+            True,
+            f"{state.vectors} vectors of the previous default model {PREVIOUS_DEFAULT}, which "
+            f"serves this database while embedder.model is the default; `{REINDEX}` re-embeds "
+            f"its {state.turns} turns with {DEFAULT_MODEL} (twice as fast per text)",
+        )
     if state.vectors and (state.model != name or state.dim != dim):
         return Check("vectors", False, mismatch_message(state, name, dim, str(path)))
     detail = f"{state.vectors} of {state.turns} turns with text have a vector of {name} ({dim}-d)"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from proxy.cli.doctor import vectors_check
 from proxy.cli.reindex import reindex
-from proxy.config import EmbedderSettings
+from proxy.config import EmbedderSettings, load_settings
 from proxy.search.embedder import DEFAULT_MODEL, PREVIOUS_DEFAULT, FastEmbedEmbedder, HashEmbedder
 from proxy.search.model_check import VectorsMismatch, usable_embedder
 from proxy.store import Store
@@ -28,6 +29,9 @@ async def test_a_database_of_the_previous_default_upgrades_by_reindex(
     await previous.aclose()
     default = EmbedderSettings()
     assert default.model == DEFAULT_MODEL
+    overrides = {"memory": {"db_path": str(tmp_path / "old.db")}}
+    doctor = await vectors_check(load_settings(None, {}, overrides), (DEFAULT_MODEL, 384))
+    assert doctor.ok is True and "engram reindex" in doctor.detail  # works; a hint
     async with Store(tmp_path / "old.db") as store:
         with caplog.at_level(logging.WARNING, logger="engram.embedder"):
             serving = await usable_embedder(store, default)
