@@ -11,6 +11,7 @@ measured is what runs.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,7 +158,7 @@ class Retriever:
             candidates = await self._candidates(user_id, turns, fts_rows, vec_rows, qvec)
             if scoring is not None:
                 scoring.append(Scoring(candidates, rankings))
-            fused = scored_fusion(candidates, query, rankings, s.score_weights())
+            fused = scored_fusion(candidates, query, rankings, s.score_weights(), time.time())
         else:
             fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
         kept = [f for f in fused if f.id in turns and (keep is None or keep(turns[f.id]))]
@@ -191,6 +192,7 @@ class Retriever:
                 len(t.content),
                 bm25.get(t.id),
                 cosine.get(t.id),
+                t.timestamp,
             )
             for t in turns.values()
         ]

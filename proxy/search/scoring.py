@@ -23,7 +23,10 @@ that each path, and the turns themselves, already hold:
   more (held-out R@10 0.79 against 0.77), but there it made a model's long reply outrank the
   short user message it answered, which both paths ranked first ("My sister Marta lives in
   Porto and she breeds Siamese cats."); a memory layer over chats with a model must not
-  prefer the model's verbosity.
+  prefer the model's verbosity;
+- ``when`` — 1 when the query names a time (a date, a month, a year; with the request's time
+  also "yesterday", "last week", "three days ago": :mod:`proxy.search.when`) and the turn was
+  said in it. On LoCoMo 190 of the 233 turns cited by questions naming a month were said in it.
 
 The weights are settings (``[retrieval] score_*``), fitted by ``python -m bench.tune_fusion``
 on half of LoCoMo's conversations and checked on the other half.
@@ -37,8 +40,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.search.fusion import Fused
+from proxy.search.when import query_times, said_in
 
-FEATURES = ("fts", "vec", "speaker", "session", "neighbour", "length")
+FEATURES = ("fts", "vec", "speaker", "session", "neighbour", "length", "when")
 """The features, in the order of :func:`features`' columns and of the weights."""
 
 LENGTH_CAP = 50
@@ -54,7 +58,8 @@ class Candidate:
     """One turn either path found, with what the scoring needs of it.
 
     ``bm25``: FTS5's score (lower is better, usually negative), None when FTS5 did not find it;
-    ``cosine``: to the query, None when unknown (no vector, or no vector path)."""
+    ``cosine``: to the query, None when unknown (no vector, or no vector path); ``at``: when the
+    turn was said (Unix seconds), None when unknown."""
 
     id: int
     session_id: str
@@ -63,6 +68,7 @@ class Candidate:
     chars: int
     bm25: float | None
     cosine: float | None
+    at: float | None = None
 
 
 def named_speakers(query: str, speakers: Sequence[str | None]) -> set[str]:
@@ -86,10 +92,14 @@ def _names(key: str, folded: str) -> bool:
 
 
 def features(
-    candidates: Sequence[Candidate], query: str, vec_ids: Sequence[int]
+    candidates: Sequence[Candidate],
+    query: str,
+    vec_ids: Sequence[int],
+    now: float | None = None,
 ) -> list[tuple[float, ...]]:
     """One row of :data:`FEATURES` per candidate, in order. ``vec_ids``: the vector path's
-    candidates (whose cosines the ``neighbour`` feature looks at)."""
+    candidates (whose cosines the ``neighbour`` feature looks at); ``now``: the request's time
+    (Unix seconds), for the query's relative times ("last week")."""
     scored = [c.bm25 for c in candidates if c.bm25 is not None]
     best = min(scored, default=0.0)
     fts = {c.id: (c.bm25 / best if best < 0 and c.bm25 is not None else 0.0) for c in candidates}
@@ -107,6 +117,7 @@ def features(
     for c in candidates:
         session_best[c.session_id] = max(session_best.get(c.session_id, 0.0), fts[c.id])
     names = named_speakers(query, [c.speaker for c in candidates])
+    times = query_times(query, now)
     rows: list[tuple[float, ...]] = []
     for c in candidates:
         around = [at.get((c.session_id, c.position + d)) for d in (-1, 1)]
@@ -119,6 +130,7 @@ def features(
                 session_best[c.session_id],
                 neighbour,
                 math.log1p(min(c.chars, LENGTH_CAP)) / _LOG_CAP,
+                1.0 if said_in(c.at, times) else 0.0,
             )
         )
     return rows
@@ -129,13 +141,14 @@ def scored_fusion(
     query: str,
     ranks: Mapping[str, Sequence[int]],
     weights: Mapping[str, float],
+    now: float | None = None,
 ) -> list[Fused[int]]:
     """The candidates best first by the sum of weight times feature. ``ranks``: each path's
     candidate ids, best first (``"vec"``'s feed the ``neighbour`` feature; both give each
-    result its 1-based rank per path). Ties go to the better best rank in any path, then to
-    the id."""
+    result its 1-based rank per path); ``now``: the request's time. Ties go to the better best
+    rank in any path, then to the id."""
     w = [float(weights.get(name, 0.0)) for name in FEATURES]
-    rows = features(candidates, query, ranks.get("vec", ()))
+    rows = features(candidates, query, ranks.get("vec", ()), now)
     position = {path: {i: r for r, i in enumerate(ids, 1)} for path, ids in ranks.items()}
     keyed = []
     for c, row in zip(candidates, rows, strict=True):
