@@ -191,6 +191,7 @@ class Retriever:
                 len(t.content),
                 bm25.get(t.id),
                 cosine.get(t.id),
+                t.content,
             )
             for t in turns.values()
         ]

@@ -23,7 +23,11 @@ that each path, and the turns themselves, already hold:
   more (held-out R@10 0.79 against 0.77), but there it made a model's long reply outrank the
   short user message it answered, which both paths ranked first ("My sister Marta lives in
   Porto and she breeds Siamese cats."); a memory layer over chats with a model must not
-  prefer the model's verbosity.
+  prefer the model's verbosity;
+- ``time`` — 1 when the query is about time (asks when or how long, or names a time) and the
+  turn says when something happened ("last Friday", "two weeks ago", "in 2022"), both by the
+  English patterns of :mod:`proxy.search.timewords`; 0 for any other query. On LoCoMo's
+  held-out half it lifted temporal questions' R@10 from 0.73 to 0.85.
 
 The weights are settings (``[retrieval] score_*``), fitted by ``python -m bench.tune_fusion``
 on half of LoCoMo's conversations and checked on the other half.
@@ -37,8 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.search.fusion import Fused
+from proxy.search.timewords import asks_about_time, says_when
 
-FEATURES = ("fts", "vec", "speaker", "session", "neighbour", "length")
+FEATURES = ("fts", "vec", "speaker", "session", "neighbour", "length", "time")
 """The features, in the order of :func:`features`' columns and of the weights."""
 
 LENGTH_CAP = 50
@@ -54,7 +59,8 @@ class Candidate:
     """One turn either path found, with what the scoring needs of it.
 
     ``bm25``: FTS5's score (lower is better, usually negative), None when FTS5 did not find it;
-    ``cosine``: to the query, None when unknown (no vector, or no vector path)."""
+    ``cosine``: to the query, None when unknown (no vector, or no vector path); ``text``: the
+    turn's content (read only for a query about time)."""
 
     id: int
     session_id: str
@@ -63,6 +69,7 @@ class Candidate:
     chars: int
     bm25: float | None
     cosine: float | None
+    text: str = ""
 
 
 def named_speakers(query: str, speakers: Sequence[str | None]) -> set[str]:
@@ -107,6 +114,7 @@ def features(
     for c in candidates:
         session_best[c.session_id] = max(session_best.get(c.session_id, 0.0), fts[c.id])
     names = named_speakers(query, [c.speaker for c in candidates])
+    timely = asks_about_time(query)
     rows: list[tuple[float, ...]] = []
     for c in candidates:
         around = [at.get((c.session_id, c.position + d)) for d in (-1, 1)]
@@ -119,6 +127,7 @@ def features(
                 session_best[c.session_id],
                 neighbour,
                 math.log1p(min(c.chars, LENGTH_CAP)) / _LOG_CAP,
+                1.0 if timely and says_when(c.text) else 0.0,
             )
         )
     return rows
