@@ -1,11 +1,12 @@
 """Fit the scored fusion's weights on half of LoCoMo and check them on the other half.
 
-    .venv/bin/python -m bench.tune_fusion [--json out.json] [--split 5]
+    .venv/bin/python -m bench.tune_fusion [--json out.json] [--split 5] [--model M]
 
 LoCoMo's ten conversations are imported into one database through Engram's own import path
-(as ``bench.locomo`` does, default MiniLM embedder, vectors cached on disk). Every question of
-categories 1-4 is asked once through :meth:`proxy.search.retrieval.Retriever.search` in hybrid
-mode with scored fusion, keeping what it scored (each path's candidates and their features,
+(as ``bench.locomo`` does; the default embedder or ``--model``, vectors cached on disk).
+Every question of categories 1-4 is asked once through
+:meth:`proxy.search.retrieval.Retriever.search` in hybrid mode with scored fusion, keeping
+what it scored (each path's candidates and their features,
 :func:`proxy.search.scoring.features`). The weights are then fitted by coordinate ascent on
 ``R@10 + 0.5 R@5`` over the questions of the first ``--split`` conversations (the tuning half)
 only, and every weight set is reported on both halves: RRF's ranking (the old default), the
@@ -39,7 +40,7 @@ from bench.common import (
 )
 from bench.locomo import load
 from proxy.config import RetrievalSettings
-from proxy.search.embedder import create_embedder
+from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.fusion import rrf
 from proxy.search.retrieval import Retriever, Scoring
 from proxy.search.scoring import FEATURES, features
@@ -110,7 +111,7 @@ def ablation(tune: list[Question], held: list[Question]) -> list[str]:
     lines = ["| features | tuning R@5 | tuning R@10 | held-out R@5 | held-out R@10 |"]
     lines.append("|---|---|---|---|---|")
     sets = [("+".join(FEATURES[: i + 1]), FEATURES[: i + 1]) for i in range(len(FEATURES))]
-    sets += [(f"all but {x}", tuple(f for f in FEATURES if f != x)) for x in FEATURES[1:-1]]
+    sets += [(f"all but {x}", tuple(f for f in FEATURES if f != x)) for x in FEATURES[1:]]
     for name, keep in sets:
         start = np.zeros(len(FEATURES))
         start[FEATURES.index("fts")] = 1.0
@@ -124,7 +125,7 @@ def ablation(tune: list[Question], held: list[Question]) -> list[str]:
 
 async def collect(args: argparse.Namespace) -> list[Question]:
     convs, questions, _ = load_locomo(args.data)
-    embedder = DiskCachedEmbedder(create_embedder(threads=args.threads), args.cache_dir)
+    embedder = DiskCachedEmbedder(create_embedder(args.model, threads=args.threads), args.cache_dir)
     out: list[Question] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -152,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=DEFAULT_LOCOMO)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="embedding model (as [embedder] model takes it)"
+    )
     p.add_argument("--split", type=int, default=5, help="conversations in the tuning half")
     p.add_argument("--json", type=Path)
     p.add_argument(

@@ -249,16 +249,16 @@ class RetrievalSettings:
         "How the two paths' candidates are merged: 'scored' ranks them by a weighted sum of "
         "what each path and each turn hold (the score_* weights; see proxy/search/scoring.py), "
         "'rrf' by Reciprocal Rank Fusion of their ranks alone (rrf_k, fts_weight, vec_weight). "
-        "On LoCoMo's held-out half (bench/tune_fusion.py) scored fusion found 0.77 of the "
-        "evidence in its top 10 against RRF's 0.73.",
+        "On LoCoMo's held-out half (bench/tune_fusion.py) scored fusion found 0.80 of the "
+        "evidence in its top 10 against RRF's 0.74.",
         choices=("scored", "rrf"),
     )
     score_fts: float = opt(1.2, "Scored fusion: weight of BM25 relative to the best match.")
     score_vec: float = opt(
-        0.4, "Scored fusion: weight of the cosine to the query (stretched over the vector list)."
+        0.6, "Scored fusion: weight of the cosine to the query (stretched over the vector list)."
     )
     score_speaker: float = opt(
-        0.85, "Scored fusion: weight of a turn whose speaker the query names."
+        0.8, "Scored fusion: weight of a turn whose speaker the query names."
     )
     score_session: float = opt(
         1.2, "Scored fusion: weight of the best BM25 match in the turn's session."
@@ -267,7 +267,12 @@ class RetrievalSettings:
         0.7, "Scored fusion: weight of the best (stretched) cosine of the turns next to it."
     )
     score_length: float = opt(
-        2.1, "Scored fusion: weight of the turn's length (log, counted up to 50 characters)."
+        2.9, "Scored fusion: weight of the turn's length (log, counted up to 50 characters)."
+    )
+    score_time: float = opt(
+        0.6,
+        'Scored fusion: weight of a turn that says when ("last Friday", "in 2022") for a query '
+        'about time ("When did...", "How long...", "...in May 2023?"); English only.',
     )
     score_when: float = opt(
         0.2,
@@ -321,6 +326,7 @@ class RetrievalSettings:
             "session": self.score_session,
             "neighbour": self.score_neighbour,
             "length": self.score_length,
+            "time": self.score_time,
             "when": self.score_when,
         }
 

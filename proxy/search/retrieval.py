@@ -192,6 +192,7 @@ class Retriever:
                 len(t.content),
                 bm25.get(t.id),
                 cosine.get(t.id),
+                t.content,
                 t.timestamp,
             )
             for t in turns.values()

@@ -4,8 +4,9 @@ Retriever: a regression test for the ranking, not a benchmark (``bench.locomo`` 
 
 The slice is LoCoMo's seventh conversation (index 6: 689 turns, 150 questions of categories 1-4),
 one the fusion weights were NOT fitted on (they were fitted on conversations 0-4). Measured there:
-RRF (the old default fusion) R@10 0.771, R@5 0.663; scored fusion 0.852 and 0.771; FTS5 alone
-0.788. The thresholds sit between the two, so the old ranking fails them.
+RRF (the old default fusion) R@10 0.771, R@5 0.663; FTS5 alone 0.805 and 0.694; scored fusion
+before its ``time`` feature 0.850 and 0.745, with it 0.867 and 0.771 (0.856 and 0.773 with the
+dynamically quantised int8 MiniLM). The thresholds sit between, so the older rankings fail them.
 
 The data is read in place from the shared benchmark folder (its licence, CC BY-NC, forbids
 copying it into the project); where that folder is absent the test is skipped, saying so.
@@ -24,7 +25,7 @@ from proxy.search.retrieval import Retriever
 from proxy.store import Store
 
 CONVERSATION = 6
-MIN_R10, MIN_R5 = 0.82, 0.72
+MIN_R10, MIN_R5 = 0.85, 0.76
 
 
 async def _recall(tmp_path: Path) -> dict[str, tuple[float, float]]:

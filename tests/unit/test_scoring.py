@@ -7,6 +7,7 @@ import math
 from proxy.config import RetrievalSettings
 from proxy.search.scoring import FEATURES, LENGTH_CAP, Candidate, features, named_speakers
 from proxy.search.scoring import scored_fusion as fuse
+from proxy.search.timewords import asks_about_time, says_when
 
 
 def cand(
@@ -18,8 +19,9 @@ def cand(
     chars: int = 100,
     bm25: float | None = None,
     cosine: float | None = None,
+    text: str = "",
 ) -> Candidate:
-    return Candidate(i, session, pos, speaker, chars, bm25, cosine)
+    return Candidate(i, session, pos, speaker, chars, bm25, cosine, text)
 
 
 def row(rows: list[tuple[float, ...]], i: int) -> dict[str, float]:
@@ -85,3 +87,79 @@ def test_scored_fusion_orders_by_the_weighted_sum_and_keeps_ranks() -> None:
     # ties go to the better best rank
     tied = fuse(cs, "q", ranks, {})
     assert [f.id for f in tied] == [1, 2] and tied[0].score == 0.0
+
+
+def test_questions_about_time_and_only_those() -> None:
+    about_time = [
+        "When did Calvin have a car incident?",
+        "How long has Jolene been doing yoga?",
+        "Which year did Audrey adopt the first three of her dogs?",
+        "How many weeks did the workshop last?",
+        "What did Maria donate to a homeless shelter in December 2023?",
+        "Where was James at on July 12, 2022?",
+        "Which outdoor spot did Joanna visit in May?",
+        "What did I cook last weekend?",
+    ]
+    other = [
+        "What did Caroline research?",
+        "What time management techniques do Deborah and Jolene use?",
+        "When Dave was a child, what did he and his father do in the garage?",
+        "What may help my sister sleep?",
+        "Would Tim enjoy reading books by C. S. Lewis or John Greene?",
+        "What was the last book Tim read?",
+        "How many pets does Nate have?",
+        "Quand est-ce que Marie a adopté son chat ?",
+    ]
+    assert [q for q in about_time if not asks_about_time(q)] == []
+    assert [q for q in other if asks_about_time(q)] == []
+
+
+def test_turns_that_say_when() -> None:
+    saying = [
+        "I had a lil car accident last Friday, kinda upsetting but no one was hurt.",
+        "We've been together for three years.",
+        "I adopted her two years ago when I was feeling lonely.",
+        "I went there in 2022 with my mom.",
+        "My album finally dropped on the 11th!",
+        "I've painted since I was 17.",
+        "I just joined a new LGBTQ activist group last Tues.",
+        "See you in August!",
+        "Yesterday I met some incredible artists in Boston.",
+    ]
+    silent = [
+        "Thanks! That sounds great.",
+        "I may go there with my sister.",
+        "Turtles really bring me joy and peace.",
+        "Wow, what a beautiful painting of a sunset!",
+    ]
+    assert [t for t in saying if not says_when(t)] == []
+    assert [t for t in silent if says_when(t)] == []
+
+
+def test_the_time_feature_needs_a_question_about_time_and_a_turn_that_says_when() -> None:
+    cs = [
+        cand(1, text="I had a lil car accident last Friday, but no one was hurt.", bm25=-2.0),
+        cand(2, pos=1, text="Cars are such a hassle, aren't they?", bm25=-2.0),
+    ]
+    timely = features(cs, "When did Calvin have a car incident?", vec_ids=[])
+    assert (row(timely, 0)["time"], row(timely, 1)["time"]) == (1.0, 0.0)
+    other = features(cs, "What car does Calvin drive?", vec_ids=[])
+    assert row(other, 0)["time"] == row(other, 1)["time"] == 0.0
+
+
+def test_for_a_question_about_time_the_turn_that_says_when_ranks_first() -> None:
+    """LoCoMo's "When did Calvin have a car incident?": the evidence ("last Friday") matched
+    the question's words a little worse than turns about cars that say nothing of when; with
+    the default weights it comes first, and for any other question the order stays BM25's."""
+    text = "Since last chat I had a lil car accident last Friday, no one was hurt."
+    when = cand(1, chars=len(text), bm25=-3.0, text=text)
+    cars = [
+        cand(i, session=f"s{i}", chars=60, bm25=score, text="Working on cars is so rewarding!")
+        for i, score in ((2, -3.2), (3, -3.1))
+    ]
+    ranks = {"fts": [2, 3, 1]}
+    weights = RetrievalSettings().score_weights()
+    timely = fuse([when, *cars], "When did Calvin have a car incident?", ranks, weights)
+    assert [f.id for f in timely] == [1, 2, 3]
+    other = fuse([when, *cars], "What happened to Calvin's car?", ranks, weights)
+    assert [f.id for f in other] == [2, 3, 1]

@@ -62,7 +62,7 @@ def test_the_when_feature_prefers_the_turn_said_then() -> None:
     """Two equally good matches: the one said on the day the query names ranks first, and the
     feature is 0 for every turn when the query names no time."""
     said = {1: at(2023, 5, 20), 2: at(2023, 12, 9)}
-    cands = [Candidate(i, "s", i, "Evan", 60, -2.0, 0.5, said[i]) for i in (1, 2)]
+    cands = [Candidate(i, "s", i, "Evan", 60, -2.0, 0.5, at=said[i]) for i in (1, 2)]
     weights = {"fts": 1.0, "when": 0.2}
     ranks = {"fts": [1, 2]}
     query = "What did Evan share with Sam on 9th December 2023?"
