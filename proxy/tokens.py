@@ -85,18 +85,21 @@ class TokenCounter:
 
     def __init__(self, encoder: Callable[[str], int] | None = None) -> None:
         self._encode = encoder or estimate
-        self._memo: dict[str, int] = {}  # short text -> tokens (dict operations are atomic)
+        # digest of a short text -> tokens (dict operations are atomic). Keyed by a digest, not
+        # the text: a forgotten turn's words do not linger in memory.
+        self._memo: dict[bytes, int] = {}
         self._ratio: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def _count(self, text: str) -> int:
         if len(text) > MEMO_CHARS:
             return self._encode(text)
-        n = self._memo.get(text)
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        n = self._memo.get(key)
         if n is None:
             if len(self._memo) >= MEMO_ENTRIES:
                 self._memo.clear()
-            n = self._memo[text] = self._encode(text)
+            n = self._memo[key] = self._encode(text)
         return n
 
     def count(self, text: str, model: str | None = None) -> int:

@@ -64,3 +64,19 @@ def test_short_texts_are_encoded_once_and_counted_the_same() -> None:
     long_text = "word " * 1000  # past MEMO_CHARS: counted each time, never kept
     assert tokens.raw(long_text) == tokens.raw(long_text) == encoder(long_text)
     assert calls.count(long_text) == 2
+
+
+def test_the_count_memo_keeps_digests_not_texts() -> None:
+    """Stored text comes back as memory lines; the memo of their counts must not keep the words
+    of a turn that was forgotten since."""
+    from proxy.search import timewords
+    from proxy.tokens import TokenCounter
+
+    secret = "my locker code is 4417, said last Friday"
+    counter = TokenCounter()
+    assert counter.count(secret) == counter.count(secret) > 0
+    assert timewords.says_when(secret)
+    memos = [counter._memo, dict(timewords._SEEN._data)]
+    for memo in memos:
+        assert memo and all(isinstance(k, bytes) and len(k) == 16 for k in memo)
+        assert not any(secret in repr(k) for k in memo)
