@@ -65,7 +65,8 @@ def load() -> str:
 
 async def cached_db(n: int, cache_dir: Path, convs: Any) -> Path:
     """A database holding ``n`` turns of :data:`USER`, built once and kept in ``cache_dir``."""
-    path = cache_dir / f"memory_load-{n}.db"
+    model = DEFAULT_MODEL.rsplit("/", 1)[-1]  # a database per model: its vectors are the model's
+    path = cache_dir / f"memory_load-{n}-{model}.db"
     if path.is_file():
         return path
     cached = DiskCachedEmbedder(FastEmbedEmbedder(DEFAULT_MODEL, threads=2), cache_dir)
