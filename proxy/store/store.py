@@ -399,7 +399,10 @@ class Store:
         gets a share no higher than ``above``). Empty while the user holds fewer than
         ``min_turns`` turns."""
         words = list(dict.fromkeys(words))
-        if not words:
+        known = self._user_counts.get(user_id)  # a recent count below min_turns: no read
+        if not words or (
+            known and time.monotonic() - known[0] < _COUNT_TTL_S and known[1] < max(1, min_turns)
+        ):
             return {}
 
         def job(c: Connection) -> dict[str, float]:
