@@ -42,7 +42,8 @@ from proxy.store.db import Connection
 from proxy.vectors import Vector, as_vector
 
 MAX_BYTES = 256 * 1024 * 1024
-"""Memory the cache may hold (a user of 10,000 MiniLM vectors takes about 16 MB)."""
+"""Memory the cache may hold (a user of 10,000 MiniLM vectors takes about 17 MB, of 100,000
+about 175 MB)."""
 
 T = TypeVar("T")
 ALL = "\0all"  # a change whose user is unknown: everyone is dropped
@@ -122,8 +123,9 @@ class _Rows:
 
 
 def _capacity(rows: int) -> int:
-    """Rows allocated for ``rows`` (room to append before the arrays are copied again)."""
-    return max(1024, rows + rows // 2)
+    """Rows allocated for ``rows``: room to append an eighth more before the arrays are copied
+    again (half more held a 100k user in 233 MB instead of 175)."""
+    return max(1024, rows + rows // 8)
 
 
 def _rows_of(
