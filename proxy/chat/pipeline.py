@@ -32,6 +32,7 @@ from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError, UpstreamRejected
 from proxy.logs import event
+from proxy.messages import content_text
 from proxy.relay import UPSTREAM_DIED, encode_json, is_event_stream, is_ndjson, read_body, relay
 from proxy.slots.dialect import Expands
 from proxy.slots.loop import Expander, Outcome
@@ -49,6 +50,7 @@ from proxy.upstream import (
 log = logging.getLogger("engram.pipeline")
 
 MEMORY_MODES = ("on", "off", "read-only", "write-only")
+THREAD_CHARS = 20_000  # prompts longer than this have their tokens counted on a thread
 SSE = "text/event-stream"
 
 
@@ -286,7 +288,13 @@ class ChatPipeline:
         if turn.memory is not None and turn.memory.skipped == TOO_MANY_MESSAGES:
             return  # a request over limits.max_messages costs nothing more than its forwarding
         tokens = self.memory.tokens
-        estimated = await asyncio.to_thread(tokens.messages, messages)
+        # A thread only for a long prompt: the hop cost more than counting a short one here.
+        chars = sum(len(content_text(m.get("content"))) for m in messages)
+        estimated = (
+            await asyncio.to_thread(tokens.messages, messages)
+            if chars > THREAD_CHARS
+            else tokens.messages(messages)
+        )
         tokens.learn(turn.conv.model, estimated, reported)
 
     async def _expand(

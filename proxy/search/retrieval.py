@@ -161,8 +161,16 @@ class Retriever:
             fused = scored_fusion(candidates, query, rankings, s.score_weights(), time.time())
         else:
             fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
-        kept = [f for f in fused if f.id in turns and (keep is None or keep(turns[f.id]))]
-        if (s.mmr if use_mmr is None else use_mmr) and qvec is not None and len(kept) > 1:
+        use = (s.mmr if use_mmr is None else use_mmr) and qvec is not None
+        # ``keep`` hashes each turn's text: asked only until as many are kept as are used
+        # (``k``, or MMR's pool)
+        want, kept = (max(k * 4, 20) if use else k), []
+        for f in fused:
+            if f.id in turns and (keep is None or keep(turns[f.id])):
+                kept.append(f)
+                if len(kept) >= want:
+                    break
+        if use and qvec is not None and len(kept) > 1:
             kept = await self._mmr(user_id, kept, qvec, k)
         return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
 

@@ -37,8 +37,11 @@ Vector search has two plans over the same ``turn_vec`` partition:
   centred embeddings such as MiniLM's; vectors that share a strong common direction lose much
   more recall (see bench/store.py).
 
-:class:`~proxy.store.store.Store` picks the plan (``auto``: quantised above
-``QUANTIZED_ABOVE`` turns).
+:class:`~proxy.store.store.Store` picks the plan. ``auto``: the exact plan in memory
+(:mod:`proxy.store.vec_cache`) whenever the user's vectors are held there, however many (at
+100k vectors a numpy product over them beats the quantised KNN, and its results are exact);
+while they are not (being loaded, or too many to hold), vec0's quantised plan above
+``QUANTIZED_ABOVE`` turns and its exact plan below.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ log = logging.getLogger("engram.store")
 VecMode = Literal["auto", "exact", "quantized"]
 
 QUANTIZED_ABOVE = 20_000
-"""In ``auto`` mode, users with more turns than this are searched through the bit vectors."""
+"""In ``auto`` mode, users with more turns than this whose vectors are not held in memory
+(:mod:`proxy.store.vec_cache`) are searched through the bit vectors."""
 QUANTIZED_OVERSAMPLE = 2
 QUANTIZED_MIN_K = 100
 """The bit-vector KNN fetches ``QUANTIZED_OVERSAMPLE`` candidates per result wanted, and at

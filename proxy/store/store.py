@@ -368,14 +368,15 @@ class Store:
         mode = mode or self._vec_mode
 
         def job(c: Connection) -> list[tuple[int, float]]:
-            quantized = mode == "quantized" or (
-                mode == "auto" and self._user_turn_count(c, user_id) > self._quantized_above
-            )
-            found = None if quantized else self.vectors.search(user_id, vector, limit,
-                self._in_background, session_ids=sessions, exclude_ids=excluded,
+            # The exact plan in memory (store.vec_cache) whenever the user's vectors are held
+            # there, however many; vec0's plans while they are not (or would not fit).
+            count = self._user_turn_count(c, user_id)
+            found = None if mode == "quantized" else self.vectors.search(user_id, vector, limit,
+                self._in_background, count, session_ids=sessions, exclude_ids=excluded,
                 exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
             if found is not None:
                 return found
+            quantized = mode == "quantized" or (mode == "auto" and count > self._quantized_above)
             return search.vec_search(c, user_id, vector, limit, session_ids=sessions,
                 exclude_ids=excluded, quantized=quantized, exclude_sessions=skip,
                 exclude_roles=roles, dim=self.vec_dim)  # fmt: skip
@@ -398,7 +399,10 @@ class Store:
         gets a share no higher than ``above``). Empty while the user holds fewer than
         ``min_turns`` turns."""
         words = list(dict.fromkeys(words))
-        if not words:
+        known = self._user_counts.get(user_id)  # a recent count below min_turns: no read
+        if not words or (
+            known and time.monotonic() - known[0] < _COUNT_TTL_S and known[1] < max(1, min_turns)
+        ):
             return {}
 
         def job(c: Connection) -> dict[str, float]:

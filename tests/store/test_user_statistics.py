@@ -72,3 +72,26 @@ async def counted(store: Store) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the word counts did not finish")
+
+
+async def test_a_user_below_the_bar_costs_no_read_once_counted(tmp_path: Path) -> None:
+    """Below ``min_turns`` the shares are empty; once the user's count is known (and recent),
+    no reader thread is asked for them: a chat request below the bar saves a thread hop."""
+    async with Store(tmp_path / "m.db") as store:
+        await one_turn_sessions(store, "tiny", ["hello there", "beagle walks"])
+        assert await store.fts_word_shares("tiny", ["hello"], min_turns=10) == {}
+        reads = 0
+        plain = store.read
+
+        async def counting(fn):  # type: ignore[no-untyped-def]
+            nonlocal reads
+            reads += 1
+            return await plain(fn)
+
+        store.read = counting  # type: ignore[method-assign]
+        assert await store.fts_word_shares("tiny", ["hello"], min_turns=10) == {}
+        assert reads == 0
+        assert await store.fts_word_shares("tiny", ["hello"], min_turns=2, above=1.0) == {
+            "hello": 0.5
+        }
+        assert reads == 1

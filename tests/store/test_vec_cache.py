@@ -160,3 +160,34 @@ async def test_turn_vectors_from_memory_match_the_database(store: Store) -> None
     assert (await store.turn_vectors("u", ids)).keys() == read.keys()
     theirs = await store.read(lambda c: turn_vectors(c, ids, "other"))
     assert theirs and not theirs.keys() & read.keys()
+
+
+async def test_auto_serves_a_large_user_exactly_from_memory(tmp_path: Path) -> None:
+    """Above ``quantized_above`` turns, ``auto`` answers from the vectors held in memory (the
+    exact plan, vec0's exact rows and order) once they are loaded, not by the bit vectors."""
+    rng = np.random.default_rng(3)
+    async with Store(tmp_path / "big.db", quantized_above=50) as store:
+        await store.get_or_create_session("u", "s")
+        turns = [NewTurn(i, "user", f"turn {i}") for i in range(200)]
+        await store.add_turns("s", "u", turns, [unit(rng) for _ in turns])
+        await held(store, "u")
+        for _ in range(5):
+            q = unit(rng)
+            auto, exact = await both(store, "u", q, 20)
+            assert await store.vec_search("u", q, 20) == exact == auto
+
+
+async def test_a_user_too_large_to_hold_is_never_loaded(tmp_path: Path) -> None:
+    """A user whose vectors would not fit in the cache's bytes is searched by vec0 (quantised
+    above ``quantized_above``) and never loaded: loading it would only evict it again."""
+    rng = np.random.default_rng(4)
+    async with Store(tmp_path / "big.db", quantized_above=50) as store:
+        store.vectors.max_bytes = 100 * EMBED_DIM * 4  # room for far fewer than 200 vectors
+        await store.get_or_create_session("u", "s")
+        turns = [NewTurn(i, "user", f"turn {i}") for i in range(200)]
+        vecs = [unit(rng) for _ in turns]
+        ids = await store.add_turns("s", "u", turns, vecs)
+        for _ in range(3):
+            assert (await store.vec_search("u", vecs[7], 1))[0][0] == ids[7]
+            await asyncio.sleep(0.05)
+        assert store.vectors.loads == 0 and store.vectors.get("u") is None
