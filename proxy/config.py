@@ -309,10 +309,12 @@ class RetrievalSettings:
     )
     fts_common_share: float = opt(
         0.3,
-        "Once a user holds more than 20,000 turns, leave out of that user's FTS5 queries the "
+        "Once a user holds more than 500 turns, leave out of that user's FTS5 queries the "
         "words held by more than this share of the user's own turns (another user's archive "
         "never counts): they barely move BM25's ranking, yet FTS5 scores every row they match "
-        "(at 100k turns 0.3 cut FTS5's time by a third). 1 keeps every word.",
+        "(at 100k turns 0.3 cut FTS5's time by a third; on LoCoMo, speaker names in every row, "
+        "recall is the same or better without them, 0.15 costs 0.011 of R@10). 1 keeps every "
+        "word.",
         min=0,
         max=1,
     )
