@@ -203,6 +203,9 @@ def term_rows(conn: Connection, words: Sequence[str]) -> dict[str, int]:
 WORD_COUNT_TTL_S = 3600.0
 """How long a user's count of rows holding a word is trusted: it only decides whether the word
 is common enough to leave out of that user's queries, and a user's common words change slowly."""
+TERM_ROWS_TTL_S = 300.0
+"""How long the index's count of rows holding a word (all users) is reused: it only bounds a
+user's share, and grows by the few turns archived meanwhile."""
 WORD_COUNT_CACHE = 50_000
 """(user, word) counts kept at most (forgotten all at once past it)."""
 WORD_COUNTS_PER_JOB = 16
@@ -223,25 +226,40 @@ class UserWordCounts:
 
     def __init__(self) -> None:
         self._known: dict[tuple[str, str], tuple[float, int]] = {}
+        self._rows: dict[str, tuple[float, int]] = {}  # word -> (when, rows of all users)
         self._lock = threading.Lock()
         self._queued: list[tuple[str, str]] = []
         self.running = False
 
     def shares(
         self,
-        conn: Connection,
+        conn: Connection | None,
         user_id: str,
         words: Sequence[str],
         mine: int,
         total: int,
         above: float,
-    ) -> dict[str, float]:
+    ) -> dict[str, float] | None:
         """Each word's share of the user's ``mine`` turns, as far as known without waiting: the
         exact share, or (not known yet) a share no more than the user's real one. A word that
-        could pass ``above`` and is not known is queued for :meth:`count`."""
-        rows = term_rows(conn, words)
-        others = max(0, total - mine)
+        could pass ``above`` and is not known is queued for :meth:`count`. The index's count
+        per word is reused for :data:`TERM_ROWS_TTL_S` (``conn`` None: None unless all are)."""
         now = time.monotonic()
+        rows: dict[str, int] = {}
+        for word in words:
+            hit = self._rows.get(word)
+            if hit is not None and now - hit[0] < TERM_ROWS_TTL_S:
+                rows[word] = hit[1]
+        missing = [w for w in words if w not in rows]
+        if missing:
+            if conn is None:
+                return None
+            if len(self._rows) >= WORD_COUNT_CACHE:
+                self._rows.clear()
+            for word, g in term_rows(conn, missing).items():
+                rows[word] = g
+                self._rows[word] = (now, g)
+        others = max(0, total - mine)
         out: dict[str, float] = {}
         for word in words:
             g = rows.get(word, 0)
@@ -258,6 +276,15 @@ class UserWordCounts:
                 if (user_id, word) not in self._queued:
                     self._queued.append((user_id, word))
         return out
+
+    def remembered(
+        self, user_id: str, words: Sequence[str], mine: int | None, total: int | None, above: float
+    ) -> dict[str, float] | None:
+        """:meth:`shares` from memory alone (no read before the search can start): None unless
+        both turn counts and every word's count in the index are remembered."""
+        if not mine or total is None:
+            return None
+        return self.shares(None, user_id, words, mine, total, above)
 
     def pending(self) -> bool:
         return bool(self._queued) and not self.running

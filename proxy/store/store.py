@@ -393,26 +393,23 @@ class Store:
     async def fts_word_shares(
         self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
     ) -> dict[str, float]:
-        """For each query word, the share of ``user_id``'s turns whose FTS5 row holds it, as
-        far as known without waiting (:class:`proxy.store.search.UserWordCounts`: a word that
-        could pass ``above`` is counted in the user's rows in the background, and until then
-        gets a share no higher than ``above``). Empty while the user holds fewer than
-        ``min_turns`` turns."""
+        """For each query word, the share of ``user_id``'s turns whose FTS5 row holds it, as far
+        as known without waiting (:class:`proxy.store.search.UserWordCounts`); empty while the
+        user holds fewer than ``min_turns`` turns. No reader hop when all is remembered."""
         words = list(dict.fromkeys(words))
-        known = self._user_counts.get(user_id)  # a recent count below min_turns: no read
-        if not words or (
-            known and time.monotonic() - known[0] < _COUNT_TTL_S and known[1] < max(1, min_turns)
-        ):
+        floor, mine, total = max(1, min_turns), self._fresh(user_id), self._fresh("\0all")
+        if not words or (mine is not None and mine < floor):  # known to be below: no read
             return {}
+        quick = self._words.remembered(user_id, words, mine, total, above)
 
         def job(c: Connection) -> dict[str, float]:
             mine = self._user_turn_count(c, user_id)
-            if mine < max(1, min_turns):
+            if mine < floor:
                 return {}
             total = self._user_turn_count(c, None)
-            return self._words.shares(c, user_id, words, mine, total, above)
+            return self._words.shares(c, user_id, words, mine, total, above) or {}
 
-        shares = await self.read(job)
+        shares = quick if quick is not None else await self.read(job)
         if self._words.pending() and self._reader_pool is not None:
             self._words.running = True  # counted in the background: nothing waits for it
             self._in_background(self._words.run)
@@ -427,16 +424,19 @@ class Store:
         """A recent count of the user's turns, or (``None``) of all turns (reader thread; a
         stale value only picks a plan or weighs how common a word is)."""
         key = "\0all" if user_id is None else user_id
-        cached = self._user_counts.get(key)
-        now = time.monotonic()
-        if cached is not None and now - cached[0] < _COUNT_TTL_S:
-            return cached[1]
+        if (known := self._fresh(key)) is not None:
+            return known
         if user_id is None:
             count = int(conn.execute("SELECT count(*) FROM turns").fetchone()[0])
         else:
             count = queries.count_user_turns(conn, user_id)
-        self._user_counts[key] = (now, count)
+        self._user_counts[key] = (time.monotonic(), count)
         return count
+
+    def _fresh(self, key: str) -> int | None:
+        """A user's (``"\0all"``: all) turn count counted in the last :data:`_COUNT_TTL_S`."""
+        cached = self._user_counts.get(key)
+        return cached[1] if cached and time.monotonic() - cached[0] < _COUNT_TTL_S else None
 
     # -- export, stats, meta --------------------------------------------------------------
     def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:

@@ -95,3 +95,27 @@ async def test_a_user_below_the_bar_costs_no_read_once_counted(tmp_path: Path) -
             "hello": 0.5
         }
         assert reads == 1
+
+
+@pytest.mark.asyncio
+async def test_remembered_shares_cost_no_read(tmp_path: Path) -> None:
+    """Once the user's count, the database's and each word's count in the index are known
+    (and recent), the shares come from memory: no reader hop before the search starts, and
+    the same answer as the read gave."""
+    async with Store(tmp_path / "m.db") as store:
+        await one_turn_sessions(store, "u", ["hello there", "hello beagle", "quiet walks"])
+        first = await store.fts_word_shares("u", ["hello", "beagle"], min_turns=2, above=1.0)
+        assert first == {"hello": pytest.approx(2 / 3), "beagle": pytest.approx(1 / 3)}
+        reads = 0
+        plain = store.read
+
+        async def counting(fn):  # type: ignore[no-untyped-def]
+            nonlocal reads
+            reads += 1
+            return await plain(fn)
+
+        store.read = counting  # type: ignore[method-assign]
+        assert await store.fts_word_shares("u", ["beagle", "hello"], min_turns=2) == first
+        assert reads == 0
+        await store.fts_word_shares("u", ["walks"], min_turns=2)  # a word not seen: one read
+        assert reads == 1
