@@ -11,6 +11,7 @@ line, good ones kept.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -119,6 +120,7 @@ class _Importer:
     report: ImportReport = field(default_factory=ImportReport)
     states: dict[tuple[str, str], _SessionState | str] = field(default_factory=dict)
     pending: list[tuple[TurnRecord, NewTurn]] = field(default_factory=list)
+    storing: asyncio.Task[None] | None = None
 
     async def session(self, user: str, name: str, rec: SessionRecord | None) -> _SessionState | str:
         """The state of the user's session ``name``, created if new; a string says why it
@@ -183,10 +185,25 @@ class _Importer:
         self.pending.append((rec, turn))
 
     async def flush(self) -> None:
+        """Embed the pending turns, then store them while the caller reads and embeds the next
+        batch (the writer thread and the model's cores work at once; batches are stored in
+        order, one at a time)."""
         pending, self.pending = self.pending, []
         if not pending:
             return
         vectors = await self._embed([t for _, t in pending])
+        await self.finish()
+        self.storing = asyncio.create_task(self._store(pending, vectors))
+
+    async def finish(self) -> None:
+        """Wait for the batch being stored (its error, if any, is raised here)."""
+        storing, self.storing = self.storing, None
+        if storing is not None:
+            await storing
+
+    async def _store(
+        self, pending: list[tuple[TurnRecord, NewTurn]], vectors: list[Vector | None] | None
+    ) -> None:
         groups: dict[tuple[str, str], list[int]] = {}
         for i, (rec, _) in enumerate(pending):
             groups.setdefault((rec.user, rec.session), []).append(i)
@@ -260,6 +277,7 @@ async def import_records(
             if on_progress is not None:
                 on_progress(report)
     await job.flush()
+    await job.finish()
     if on_progress is not None:
         on_progress(report)
     return report
