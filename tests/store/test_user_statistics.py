@@ -74,27 +74,32 @@ async def counted(store: Store) -> None:
     raise AssertionError("the word counts did not finish")
 
 
+def count_reads(store: Store) -> list[int]:
+    """From now on, ``[n]``: how many reader-thread jobs ``store`` was asked for."""
+    reads = [0]
+    plain = store.read
+
+    async def counting(fn):  # type: ignore[no-untyped-def]
+        reads[0] += 1
+        return await plain(fn)
+
+    store.read = counting  # type: ignore[method-assign]
+    return reads
+
+
 async def test_a_user_below_the_bar_costs_no_read_once_counted(tmp_path: Path) -> None:
     """Below ``min_turns`` the shares are empty; once the user's count is known (and recent),
     no reader thread is asked for them: a chat request below the bar saves a thread hop."""
     async with Store(tmp_path / "m.db") as store:
         await one_turn_sessions(store, "tiny", ["hello there", "beagle walks"])
         assert await store.fts_word_shares("tiny", ["hello"], min_turns=10) == {}
-        reads = 0
-        plain = store.read
-
-        async def counting(fn):  # type: ignore[no-untyped-def]
-            nonlocal reads
-            reads += 1
-            return await plain(fn)
-
-        store.read = counting  # type: ignore[method-assign]
+        reads = count_reads(store)
         assert await store.fts_word_shares("tiny", ["hello"], min_turns=10) == {}
-        assert reads == 0
+        assert reads == [0]
         assert await store.fts_word_shares("tiny", ["hello"], min_turns=2, above=1.0) == {
             "hello": 0.5
         }
-        assert reads == 1
+        assert reads == [1]
 
 
 @pytest.mark.asyncio
@@ -106,16 +111,8 @@ async def test_remembered_shares_cost_no_read(tmp_path: Path) -> None:
         await one_turn_sessions(store, "u", ["hello there", "hello beagle", "quiet walks"])
         first = await store.fts_word_shares("u", ["hello", "beagle"], min_turns=2, above=1.0)
         assert first == {"hello": pytest.approx(2 / 3), "beagle": pytest.approx(1 / 3)}
-        reads = 0
-        plain = store.read
-
-        async def counting(fn):  # type: ignore[no-untyped-def]
-            nonlocal reads
-            reads += 1
-            return await plain(fn)
-
-        store.read = counting  # type: ignore[method-assign]
+        reads = count_reads(store)
         assert await store.fts_word_shares("u", ["beagle", "hello"], min_turns=2) == first
-        assert reads == 0
+        assert reads == [0]
         await store.fts_word_shares("u", ["walks"], min_turns=2)  # a word not seen: one read
-        assert reads == 1
+        assert reads == [1]
