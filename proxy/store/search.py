@@ -203,9 +203,9 @@ def term_rows(conn: Connection, words: Sequence[str]) -> dict[str, int]:
 WORD_COUNT_TTL_S = 3600.0
 """How long a user's count of rows holding a word is trusted: it only decides whether the word
 is common enough to leave out of that user's queries, and a user's common words change slowly."""
-TERM_ROWS_TTL_S = 300.0
+TERM_ROWS_TTL_S = 30.0
 """How long the index's count of rows holding a word (all users) is reused: it only bounds a
-user's share, and grows by the few turns archived meanwhile."""
+user's share; as long as the turn counts are (a deletion is seen within it)."""
 WORD_COUNT_CACHE = 50_000
 """(user, word) counts kept at most (forgotten all at once past it)."""
 WORD_COUNTS_PER_JOB = 16
