@@ -38,16 +38,10 @@ async def usable_embedder(
     store: Store, cfg: EmbedderSettings, *, threads: int | None = None
 ) -> Embedder:
     """The configured embedder, loaded, whose model is the one of the database's vectors."""
-    embedder = await load_embedder(cfg, threads=threads)
-    if await store.ensure_embedding_model(embedder.name, embedder.dim):
-        return embedder
-    await embedder.aclose()
-    state = await store.read(vector_state)
-    if cfg.model == DEFAULT_MODEL and state.model == PREVIOUS_DEFAULT:
-        previous = await load_embedder(
-            dataclasses.replace(cfg, model=PREVIOUS_DEFAULT), threads=threads
-        )
-        if await store.ensure_embedding_model(previous.name, previous.dim):
+    if cfg.model == DEFAULT_MODEL:
+        state = await store.read(vector_state)
+        if state.model == PREVIOUS_DEFAULT:  # an upgrade, not a mismatch: one model loaded
+            cfg = dataclasses.replace(cfg, model=PREVIOUS_DEFAULT)
             log.warning(
                 "the vectors of %s were made by the previous default model %s, which keeps "
                 "serving it; `%s` re-embeds its %d turns with %s (twice as fast per text)",
@@ -57,8 +51,11 @@ async def usable_embedder(
                 state.turns,
                 DEFAULT_MODEL,
             )
-            return previous
-        await previous.aclose()
+    embedder = await load_embedder(cfg, threads=threads)
+    if await store.ensure_embedding_model(embedder.name, embedder.dim):
+        return embedder
+    await embedder.aclose()
+    state = await store.read(vector_state)
     raise VectorsMismatch(mismatch_message(state, embedder.name, embedder.dim, str(store.path)))
 
 
