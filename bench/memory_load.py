@@ -187,7 +187,8 @@ async def closed_loop(
 def report(out: dict[str, Any]) -> str:
     n = out["turns"]
     t50, t95 = ADDED_TARGETS.get(n, (None, None))
-    lines = [f"(a) c=1, a new chat per question, {n:,} turns stored for the user", ""]
+    warm = f" after {out['warmup_seconds']:g} s of warm-up" if out.get("warmup_seconds") else ""
+    lines = [f"(a) c=1, a new chat per question, {n:,} turns stored for the user{warm}", ""]
     lines.append("| memory | pairs | p50 | p95 | off p50 / p95 | added p50 | added p95 | target | "
                  "pass/fail | load 1/5/15 (start -> end) |")  # fmt: skip
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
@@ -231,6 +232,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": machine(),
         "turns": args.turns,
         "seconds": args.seconds,
+        "warmup_seconds": args.warmup_seconds,
         "latency": [],
         "throughput": [],
     }
@@ -246,6 +248,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     connector=aiohttp.TCPConnector(limit=0),
                 ) as http,
             ):
+                warm_until = time.perf_counter() + args.warmup_seconds
+                while time.perf_counter() < warm_until:  # the server's caches load meanwhile
+                    await chat(http, url, "read-only", qs.next())
                 for mode in args.latency_modes:
                     row = await paired(http, url, qs, mode, args.pairs)
                     out["latency"].append(row)
@@ -270,6 +275,12 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,4,16", help="closed-loop clients, by comma")
     parser.add_argument("--latency-modes", default="read-only,on", help="c=1 modes against off")
     parser.add_argument("--throughput-modes", default="read-only,on,off")
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=0.0,
+        help="read-only requests for this long before measuring (a large user's caches load)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="vectors and DBs")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()

@@ -17,12 +17,12 @@ _MONTHS = (
 )
 
 
-def _body_sql(t: str) -> str:
+def body_sql(t: str) -> str:
     """SQL for the text a turn is indexed (and embedded) as, from the row alias ``t``."""
     return f"coalesce(nullif({t}.speaker, ''), {t}.role) || ': ' || {t}.content"
 
 
-def _date_sql(t: str) -> str:
+def date_sql(t: str) -> str:
     """SQL for ``t.timestamp`` (Unix seconds) as UTC words: ``Monday 8 May 2023``.
 
     SQLite's strftime has no month or day names: pick them out of fixed-width strings.
@@ -54,7 +54,7 @@ def _ctx_sql(t: str) -> str:
     return (
         f"CASE WHEN {t}.role = 'system' OR {t}.position < 0 THEN '' ELSE coalesce(("
         f"SELECT group_concat("
-        f"substr({_body_sql('c')}, 1, {CTX_CHARS}), char(10)) FROM turns c WHERE c.id IN ("
+        f"substr({body_sql('c')}, 1, {CTX_CHARS}), char(10)) FROM turns c WHERE c.id IN ("
         f"{_neighbours_sql(f'{t}.session_id', f'{t}.position')})), '') END"
     )
 
@@ -63,7 +63,7 @@ def _fts_insert_sql(ids: str) -> str:
     """SQL (re)indexing the turns whose ids ``ids`` (a subquery) selects."""
     return (
         "INSERT INTO turns_fts(rowid, body, ctx, date)"
-        f" SELECT x.id, {_body_sql('x')}, {_ctx_sql('x')}, {_date_sql('x')}"
+        f" SELECT x.id, {body_sql('x')}, {_ctx_sql('x')}, {date_sql('x')}"
         f" FROM turns x WHERE x.id IN ({ids});"
     )
 

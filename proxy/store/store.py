@@ -10,7 +10,8 @@ cancelled, so a client that goes away never loses half of an archive step.
 Public surface (all ``async`` except the constructor)::
 
     Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
-          fts_weights=FTS_WEIGHTS)   bm25 weights (body, ctx, date); open() / close()
+          fts_weights=FTS_WEIGHTS,   bm25 weights (body, ctx, date)
+          fts_memory=MAX_BYTES)      bytes for users' terms in memory (0: none); open() / close()
     read(fn) / write(fn, transaction=True)   run fn(conn) on a reader / in a write transaction
                                 (fns from proxy.store's table modules: feedback, slots, items…)
     ensure_user(user_id);  get_or_create_session(user_id, session_id, *, parent_id=None,
@@ -55,7 +56,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search, vec_cache, vectable
+from proxy.store import indexing, queries, search, term_cache, term_index, vec_cache, vectable
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -82,6 +83,7 @@ class Store:
         vec_mode: VecMode = "auto",
         quantized_above: int = QUANTIZED_ABOVE,
         fts_weights: Sequence[float] = FTS_WEIGHTS,
+        fts_memory: int = term_cache.MAX_BYTES,
     ) -> None:
         if str(path) == ":memory:":
             raise ValueError("the store needs a file: readers and writer use separate connections")
@@ -102,6 +104,7 @@ class Store:
         self.vec_dim: int | None = None  # turn_vec's, read at open
         self._words = search.UserWordCounts()
         self.vectors = vec_cache.VectorCache()  # the exact KNN in numpy (store.vec_cache)
+        self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy (store.term_cache)
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -121,6 +124,7 @@ class Store:
             try:
                 migrate(conn)
                 vec_cache.install_triggers(conn)
+                term_cache.install_triggers(conn)
                 self.vec_dim = vectable.table_dim(conn)
             except BaseException:
                 conn.close()
@@ -195,8 +199,8 @@ class Store:
         def job() -> T:
             conn = self._write_conn
             assert conn is not None
-            # one transaction (or none); what it did to vectors is then applied (vec_cache)
-            return self.vectors.run_write(conn, fn, transaction)
+            # one transaction (or none); what it did to vectors and terms is then applied
+            return self.terms.run_write(conn, lambda c: self.vectors.run_write(c, fn, transaction))
 
         future = asyncio.wrap_future(writer.submit(job))
         return await asyncio.shield(future)
@@ -224,18 +228,9 @@ class Store:
         :class:`SessionNotFound` for a missing parent.
         """
         now = time.time()
-        return await self.write(
-            lambda c: queries.get_or_create_session(
-                c,
-                user_id,
-                session_id,
-                parent_id=parent_id,
-                agent=agent,
-                fingerprint=fingerprint,
-                indexed=indexed,
-                now=now,
-            )
-        )
+        return await self.write(lambda c: queries.get_or_create_session(c, user_id, session_id,
+            parent_id=parent_id, agent=agent, fingerprint=fingerprint, indexed=indexed,
+            now=now))  # fmt: skip
 
     async def get_session(self, session_id: str) -> Session | None:
         return await self.read(lambda c: queries.get_session(c, session_id))
@@ -335,6 +330,11 @@ class Store:
 
         def job(c: Connection) -> list[tuple[int, float]]:
             mine = self._user_turn_count(c, user_id)
+            found = self.terms.search(c, user_id, term_index.terms_of(match), limit,
+                self._in_background, mine, self._fts_weights, session_ids=sessions,
+                exclude_ids=excluded, exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
+            if found is not None:  # the user's terms held in memory (store.term_cache)
+                return found
             return search.fts_search(
                 c,
                 user_id,

@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.store.db import Connection
+from proxy.store.scope import Codes, in_scope
 from proxy.vectors import Vector, as_vector
 
 MAX_BYTES = 256 * 1024 * 1024
@@ -85,22 +86,6 @@ class _Changes:
     users: set[str] = field(default_factory=set)
 
 
-class _Codes:
-    """Small integer codes for strings (sessions, roles), so filters compare ints."""
-
-    def __init__(self) -> None:
-        self.of: dict[str, int] = {}
-
-    def code(self, text: str) -> int:
-        found = self.of.get(text)
-        if found is None:
-            found = self.of[text] = len(self.of)
-        return found
-
-    def codes(self, texts: Sequence[str]) -> npt.NDArray[np.int32]:
-        return np.array([self.of[t] for t in texts if t in self.of], dtype=np.int32)
-
-
 @dataclass(frozen=True)
 class _Rows:
     """One user's rows: arrays of capacity >= n, of which the first n are live. Appends fill
@@ -113,8 +98,8 @@ class _Rows:
     session: npt.NDArray[np.int32]
     indexed: npt.NDArray[np.bool_]
     role: npt.NDArray[np.int32]
-    sessions: _Codes
-    roles: _Codes
+    sessions: Codes
+    roles: Codes
     held: dict[int, int]  # turn id -> row
 
     @property
@@ -148,8 +133,8 @@ def _rows_of(
             np.zeros(cap, np.int32),
             np.zeros(cap, np.bool_),
             np.zeros(cap, np.int32),
-            base.sessions if base is not None else _Codes(),
-            base.roles if base is not None else _Codes(),
+            base.sessions if base is not None else Codes(),
+            base.roles if base is not None else Codes(),
             base.held if base is not None else {},
         )
         if base is not None:
@@ -367,17 +352,9 @@ def knn(
     q = as_vector(vec)
     if q.shape[0] != rows.matrix.shape[1]:
         raise ValueError(f"vectors must have {rows.matrix.shape[1]} dimensions")
-    if session_ids is None:
-        keep = rows.indexed[:n].copy()
-    else:
-        keep = np.isin(rows.session[:n], rows.sessions.codes(session_ids))
-    if exclude_sessions:
-        keep &= ~np.isin(rows.session[:n], rows.sessions.codes(exclude_sessions))
-    if exclude_roles:
-        keep &= ~np.isin(rows.role[:n], rows.roles.codes(exclude_roles))
-    if exclude_ids:
-        keep &= ~np.isin(rows.ids[:n], np.asarray(list(exclude_ids), dtype=np.int64))
-    live = np.flatnonzero(keep)
+    live = np.flatnonzero(
+        in_scope(rows, n, session_ids, exclude_ids, exclude_sessions, exclude_roles)
+    )
     if live.size == 0:
         return []
     # einsum, not BLAS: a threaded BLAS matrix-vector product measured 4-8 ms on a busy 2-core

@@ -1,0 +1,69 @@
+"""What a search may return: the scope filters both in-memory searches share (the vectors of
+:mod:`proxy.store.vec_cache`, the terms of :mod:`proxy.store.term_cache`), over rows that carry
+each turn's id, session, ``indexed`` flag and role as small integer codes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+
+class Codes:
+    """Small integer codes for strings (sessions, roles), so filters compare ints."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, int] = {}
+
+    def code(self, text: str) -> int:
+        found = self.of.get(text)
+        if found is None:
+            found = self.of[text] = len(self.of)
+        return found
+
+    def codes(self, texts: Sequence[str]) -> npt.NDArray[np.int32]:
+        return np.array([self.of[t] for t in texts if t in self.of], dtype=np.int32)
+
+
+class Scoped(Protocol):
+    """Rows that carry what a search's scope looks at (:class:`_Rows`, a user's full-text
+    index in :mod:`proxy.store.term_cache`)."""
+
+    @property
+    def ids(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def session(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def indexed(self) -> npt.NDArray[np.bool_]: ...
+    @property
+    def role(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def sessions(self) -> Codes: ...
+    @property
+    def roles(self) -> Codes: ...
+
+
+def in_scope(
+    rows: Scoped,
+    n: int,
+    session_ids: Sequence[str] | None,
+    exclude_ids: Sequence[int],
+    exclude_sessions: Sequence[str],
+    exclude_roles: Sequence[str],
+) -> npt.NDArray[np.bool_]:
+    """Which of the first ``n`` rows a search may return: the ``indexed`` ones, or (with
+    ``session_ids``) those of exactly these sessions, less the excluded ids, sessions and
+    roles."""
+    if session_ids is None:
+        keep = rows.indexed[:n].copy()
+    else:
+        keep = np.isin(rows.session[:n], rows.sessions.codes(session_ids))
+    if exclude_sessions:
+        keep &= ~np.isin(rows.session[:n], rows.sessions.codes(exclude_sessions))
+    if exclude_roles:
+        keep &= ~np.isin(rows.role[:n], rows.roles.codes(exclude_roles))
+    if exclude_ids:
+        keep &= ~np.isin(rows.ids[:n], np.asarray(list(exclude_ids), dtype=np.int64))
+    return keep
