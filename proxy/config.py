@@ -253,21 +253,21 @@ class RetrievalSettings:
         "evidence in its top 10 against RRF's 0.74.",
         choices=("scored", "rrf"),
     )
-    score_fts: float = opt(1.2, "Scored fusion: weight of BM25 relative to the best match.")
+    score_fts: float = opt(1.5, "Scored fusion: weight of BM25 relative to the best match.")
     score_vec: float = opt(
-        0.6, "Scored fusion: weight of the cosine to the query (stretched over the vector list)."
+        0.5, "Scored fusion: weight of the cosine to the query (stretched over the vector list)."
     )
     score_speaker: float = opt(
-        0.8, "Scored fusion: weight of a turn whose speaker the query names."
+        1.0, "Scored fusion: weight of a turn whose speaker the query names."
     )
     score_session: float = opt(
-        1.2, "Scored fusion: weight of the best BM25 match in the turn's session."
+        0.8, "Scored fusion: weight of the best BM25 match in the turn's session."
     )
     score_neighbour: float = opt(
-        0.7, "Scored fusion: weight of the best (stretched) cosine of the turns next to it."
+        0.6, "Scored fusion: weight of the best (stretched) cosine of the turns next to it."
     )
     score_length: float = opt(
-        2.9, "Scored fusion: weight of the turn's length (log, counted up to 50 characters)."
+        2.85, "Scored fusion: weight of the turn's length (log, counted up to 50 characters)."
     )
     score_time: float = opt(
         0.6,
@@ -275,11 +275,11 @@ class RetrievalSettings:
         'about time ("When did...", "How long...", "...in May 2023?"); English only.',
     )
     score_when: float = opt(
-        0.2,
+        0.7,
         "Scored fusion: weight of \"the query names a time (a date, month, year; 'yesterday', "
         "'last week') and the turn was said then\". On LoCoMo, whose conversations span a few "
-        "months (a third of the candidates fall in a named month), it adds little (held-out R@10 "
-        "+0.001); it is for the relative times people ask a memory about.",
+        "months (a third of the candidates fall in a named month), it adds little; it is for "
+        "the relative times people ask a memory about.",
     )
     fts_weight: float = opt(1.0, "Weight of the FTS5 (BM25) path in the fusion.", min=0)
     vec_weight: float = opt(
