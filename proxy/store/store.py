@@ -38,11 +38,9 @@ Public surface (all ``async`` except the constructor)::
     ensure_embedding_model(name, dim=None) -> bool   False when turn_vec holds another model's
                                 vectors (store.vectable); vec_dim: turn_vec's dimension
 
-Search scope: with ``session_ids=None`` a search covers the user's sessions whose ``indexed``
-flag is set (sub-agent sessions are created unindexed); with a list, exactly those sessions.
-``exclude_sessions`` leaves sessions out (e.g. the conversation being answered) inside the SQL,
-so they take no candidate places; ``exclude_roles`` does the same for turns of those roles
-(recall leaves tool outputs out). Everything is always confined to ``user_id``.
+Search scope: ``session_ids=None``: the user's sessions flagged ``indexed`` (sub-agent ones
+are not); a list: exactly those. ``exclude_sessions`` (the conversation being answered) and
+``exclude_roles`` (tool outputs) take no candidate places. Always confined to ``user_id``.
 """
 
 from __future__ import annotations
@@ -104,7 +102,7 @@ class Store:
         self.vec_dim: int | None = None  # turn_vec's, read at open
         self._words = search.UserWordCounts()
         self.vectors = vec_cache.VectorCache()  # the exact KNN in numpy (store.vec_cache)
-        self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy (store.term_cache)
+        self.terms = term_cache.TermCache(fts_memory, self.vectors.clear)  # BM25 in numpy
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -124,7 +122,7 @@ class Store:
             try:
                 migrate(conn)
                 vec_cache.install_triggers(conn)
-                term_cache.install_triggers(conn)
+                term_cache.install_triggers(conn, self.terms)
                 self.vec_dim = vectable.table_dim(conn)
             except BaseException:
                 conn.close()
@@ -330,6 +328,7 @@ class Store:
 
         def job(c: Connection) -> list[tuple[int, float]]:
             mine = self._user_turn_count(c, user_id)
+            self.terms.written_elsewhere(c)  # another process imported: both caches reload
             found = self.terms.search(c, user_id, term_index.terms_of(match), limit,
                 self._in_background, mine, self._fts_weights, session_ids=sessions,
                 exclude_ids=excluded, exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
@@ -371,6 +370,7 @@ class Store:
             # The exact plan in memory (store.vec_cache) whenever the user's vectors are held
             # there, however many; vec0's plans while they are not (or would not fit).
             count = self._user_turn_count(c, user_id)
+            self.terms.written_elsewhere(c)  # another process imported: both caches reload
             found = None if mode == "quantized" else self.vectors.search(user_id, vector, limit,
                 self._in_background, count, session_ids=sessions, exclude_ids=excluded,
                 exclude_sessions=skip, exclude_roles=roles)  # fmt: skip

@@ -78,13 +78,17 @@ def _note(added: tuple[int, str] | None = None, user: str | None = None) -> None
         changes.users.add(user)
 
 
-def install_triggers(conn: Connection) -> None:
-    """Temporary triggers (this connection only) that note turns entering the full-text index
-    and the changes that drop a user."""
+def install_triggers(conn: Connection, cache: TermCache) -> None:
+    """Temporary triggers (this connection only) that note turns entering the full-text index,
+    the changes that drop a user, and the highest turn id this process inserted."""
     conn.create_function("engram_terms_added", 2, lambda i, u: _note(added=(int(i), str(u))))
     conn.create_function("engram_terms_changed", 1, lambda u: _note(user=str(u)))
+    conn.create_function("engram_terms_mine", 1, cache.inserted)
+    cache.inserted(conn.execute("SELECT coalesce(max(id), 0) FROM turns").fetchone()[0])
     conn.executescript(
         """
+        CREATE TEMP TRIGGER IF NOT EXISTS engram_terms_mine AFTER INSERT ON main.turns
+        BEGIN SELECT engram_terms_mine(new.id); END;
         CREATE TEMP TRIGGER IF NOT EXISTS engram_terms_insert AFTER INSERT ON main.turns
         WHEN new.fts_pending = 0 BEGIN SELECT engram_terms_added(new.id, new.user_id); END;
         CREATE TEMP TRIGGER IF NOT EXISTS engram_terms_indexed
@@ -108,13 +112,37 @@ def install_triggers(conn: Connection) -> None:
 class TermCache:
     """Per-user full-text indexes in memory (see the module docstring). Thread-safe."""
 
-    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = MAX_BYTES, also: Callable[[], None] = lambda: None) -> None:
         self.max_bytes = max_bytes
+        self._also_drop = also  # what else to drop when another process wrote
         self._users: OrderedDict[str, TermIndex] = OrderedDict()
         self._loading: dict[str, list[int]] = {}
         self._scheduled: set[str] = set()
         self._lock = threading.Lock()
         self.loads = 0
+        self._mine = 0  # the highest turn id this process inserted (or found at start)
+
+    def inserted(self, turn_id: int) -> None:
+        """This process inserted (or, at start, found) turn ``turn_id`` (writer thread, before
+        the commit, so a reader never sees one of ours above it)."""
+        self._mine = max(self._mine, int(turn_id))
+
+    def written_elsewhere(self, conn: Connection) -> bool:
+        """Whether another process (``engram import`` beside the server) inserted turns since
+        the last check: a turn id above the highest of ours. Everyone held is then dropped (and
+        ``also`` called: the vector cache), loaded again with them by later searches (a reader
+        thread; one indexed lookup). A turn another server process archives for later indexing
+        (``fts_pending``) is seen when inserted, not when indexed: searchable here from the
+        next reload after that. After a rolled-back insert of ours, another process's turn may
+        take an id we had and go unseen until the next reload."""
+        top = int(conn.execute("SELECT coalesce(max(id), 0) FROM turns").fetchone()[0])
+        with self._lock:
+            if top <= self._mine:
+                return False
+            self._mine = top
+        self.drop(_ALL)
+        self._also_drop()
+        return True
 
     # -- writer thread --------------------------------------------------------------------
     def run_write(self, conn: Connection, fn: Callable[[Connection], T]) -> T:

@@ -264,3 +264,26 @@ async def test_terms_of_reads_only_match_of_expressions() -> None:
     for other in ('cats OR "dogs"', '"cats" AND "dogs"', '"ca"ts"', "", '"a" OR'):
         assert terms_of(other) is None
     assert terms_of('"ab""cd"') is None  # the tokenizer splits it: a phrase for FTS5
+
+
+async def test_turns_another_process_imports_are_found(store: Store) -> None:
+    """``engram import`` beside a running server: another connection (here a second Store on
+    the same file, as another process holds one) inserts turns; the server's next search sees
+    a turn id above its own, drops what it holds, and finds them."""
+    assert store.terms.held("u")
+    before = store.terms.loads
+    async with Store(store.path) as importer:
+        await importer.get_or_create_session("u", "u-imported")
+        await importer.add_turns("u-imported", "u", [NewTurn(0, "user", "a narwhal in the bay")])
+    found = await store.fts_search("u", '"narwhal"', 5)
+    assert [t.content for t in await store.get_turns([i for i, _ in found])] == [
+        "a narwhal in the bay"
+    ]
+    assert store.terms.loads == before + 1  # reloaded once, then held again
+    await check_all(store, "u")
+    assert await store.fts_search("u", '"narwhal"', 5) == found
+    assert store.terms.loads == before + 1  # its own writes never look foreign
+    (mine,) = await store.add_turns("u-s1", "u", [NewTurn(60, "user", "another narwhal")])
+    top = [i for i, _ in await store.fts_search("u", '"narwhal"', 5)]
+    assert set(top[:2]) == {mine, found[0][0]}  # (then the neighbours that hold it in ctx)
+    assert store.terms.loads == before + 1
