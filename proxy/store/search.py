@@ -9,20 +9,18 @@ take no candidate places: the filters run inside the queries (for the vector KNN
 FTS5 ranks by ``bm25(turns_fts, *FTS_WEIGHTS)`` over the columns ``body`` (the turn), ``ctx``
 (its neighbours in the session) and ``date`` (see :mod:`proxy.store.migrations`).
 
-Statistics across users. The candidates are always the user's own rows, but FTS5 computes BM25's
-statistics over the whole table: the row count ``N``, each term's row count ``n(q)`` (its IDF,
-``log((N - n + 0.5) / (n + 0.5))``) and each column's average length. So another user's text
-can reorder this user's matches, and what that reveals is bounded to those aggregates: never a
-row, a user, a phrase or a co-occurrence, only (through the order of one's own rows; raw BM25
-scores are never shown) how many rows of all the other users together hold a given word stem,
-which a user who writes crafted turns and searches them can narrow down with about
-``log2(N)`` searches per word. On a laptop there is no other user; on a shared server it is a
-word-presence oracle over everyone else's memory combined (secrets are redacted before they
-are indexed). Per-user statistics need one FTS5 table per user (or BM25 computed outside FTS5
-from per-user term counts), a schema and migration change left for later. The common-word
-cut-off, which used the same whole-table counts to leave words out of queries (so a user with a
-small archive lost words because another user's was huge), weighs each word by the user's own
-rows (:class:`UserWordCounts`).
+Statistics across users (FTS5 itself: it answers until a user's terms are loaded into memory,
+:mod:`proxy.store.term_cache`, which computes the same BM25 with the user's own statistics; and
+always with ``fts_memory=0``). The candidates are always the user's own rows, but FTS5 computes
+BM25's statistics over the whole table: the row count ``N``, each term's row count ``n(q)`` (its
+IDF, ``log((N - n + 0.5) / (n + 0.5))``) and each column's average length. So another user's
+text can reorder this user's matches, and what that reveals is bounded to those aggregates:
+never a row, a user, a phrase or a co-occurrence, only (through the order of one's own rows; raw
+BM25 scores are never shown) how many rows of all the other users together hold a given word
+stem, which a user who writes crafted turns and searches them can narrow down with about
+``log2(N)`` searches per word: a word-presence oracle over everyone else's memory combined on a
+shared server (secrets are redacted before they are indexed), open only while FTS5 answers.
+The common-word cut-off weighs each word by the user's own rows (:class:`UserWordCounts`).
 
 Vector search has two plans over the same ``turn_vec`` partition:
 
