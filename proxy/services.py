@@ -251,6 +251,8 @@ async def _open_memory(
     )
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")
+    # The recent users' terms and vectors into memory before they ask (store.warm).
+    tasks.spawn(store.preload(), name="cache-preload")
     event(
         log,
         logging.INFO,

@@ -1,11 +1,10 @@
 """The async face of the memory database: one writer thread, a pool of reader threads.
 
-Every SQLite call runs off the event loop. Writes go, in order, through a single writer thread
-that owns the one read-write connection (SQLite allows one writer; a queue is cheaper than lock
-contention); each write method is one transaction. Reads run on ``readers`` threads, each with
-its own ``query_only`` connection; WAL lets them read while the writer writes. Results come back
-as awaitables. A write, once submitted, runs to completion even if the awaiting task is
-cancelled, so a client that goes away never loses half of an archive step.
+Every SQLite call runs off the event loop. Writes go, in order, through one writer thread owning
+the one read-write connection; each write method is one transaction, and once submitted runs to
+completion even if the caller is cancelled (a client that goes away never loses half an archive
+step). Reads run on ``readers`` threads, each with its own ``query_only`` connection (WAL lets
+them read while the writer writes); cache loads on a loader thread of their own (store.warm).
 
 Public surface (all ``async`` except the constructor)::
 
@@ -16,25 +15,22 @@ Public surface (all ``async`` except the constructor)::
                                 (fns from proxy.store's table modules: feedback, slots, items…)
     ensure_user(user_id);  get_or_create_session(user_id, session_id, *, parent_id=None,
                           agent=None, fingerprint=None, indexed=None) -> Session
-    get_session(session_id) -> Session | None;  set_session_indexed(session_id, indexed)
+    get_session(session_id);  set_session_indexed(session_id, indexed);  list_users()
     resolve_session(user_id, chain_hashes, *, min_length=1) -> (Session, matched) | None
-    list_sessions(user_id) -> list[Session]  most recently seen first;  list_users()
+    list_sessions(user_id) -> list[Session]  most recently seen first
     delete_session(session_id, *, user_id=None) / delete_user(user_id) -> bool  with all they
         produced (store.forget);  scrubber.scrub()   after deletes (store.scrub)
-    add_turns(session_id, user_id, turns, vectors=None) -> list[int]   ids of inserted turns
-        (positions already stored are skipped);  set_vectors([(turn_id, vector, embed_hash)])
-    turns_without_vectors(user_id, limit, after_id=0)   what the indexer has yet to embed
-    count_turns(session_id) -> int;  session_turn_hashes(session_id) -> list[str]
-    session_turn_counts(user_id) -> dict[str, int]; next_position(session_id) -> int;
-        session_turns(session_id, from_position=0, limit=None) -> list[Turn]
+    add_turns(session_id, user_id, turns, vectors=None) -> ids inserted (stored positions
+        skipped);  set_vectors([(turn_id, vector, embed_hash)]);  turns_without_vectors(...)
+    count_turns(session_id);  session_turn_hashes(session_id);  session_turn_counts(user_id);
+    next_position(session_id);  session_turns(session_id, from_position=0, limit=None)
     get_turns(ids, *, user_id=None) -> list[Turn]  in the order of ids;  turn_vectors(user_id, ids)
     fts_search(user_id, match, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), exclude_roles=()) -> [(id, bm25)]
     fts_word_shares(user_id, words, *, min_turns=0, above=0) -> {word: share of the user's turns}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
-    export(user_id) -> AsyncIterator[dict]   {"type": "session", ...} then {"type": "turn", ...}
-    stats() -> StoreStats
+    export(user_id) -> AsyncIterator[dict]  sessions then turns;  stats();  preload()  warm start
     ensure_embedding_model(name, dim=None) -> bool   False when turn_vec holds another model's
                                 vectors (store.vectable); vec_dim: turn_vec's dimension
 
@@ -54,7 +50,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search, term_cache, term_index, vec_cache, vectable
+from proxy.store import indexing, queries, search, term_cache, term_index, vec_cache, vectable, warm
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -103,6 +99,7 @@ class Store:
         self._words = search.UserWordCounts()
         self.vectors = vec_cache.VectorCache()  # the exact KNN in numpy (store.vec_cache)
         self.terms = term_cache.TermCache(fts_memory, self.vectors.clear)  # BM25 in numpy
+        self.loader = warm.Loader(self.path)  # loads those caches beside the readers
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -116,6 +113,7 @@ class Store:
             thread_name_prefix="engram-db-read",
             initializer=self._open_reader,
         )
+        self.loader.start()
 
         def _open_writer() -> None:
             conn = connect(self.path)  # creates the file 0600, its folder 0700 if missing
@@ -140,6 +138,7 @@ class Store:
         writer, self._writer = self._writer, None
         pool, self._reader_pool = self._reader_pool, None
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.loader.close)
         if pool is not None:
             await loop.run_in_executor(None, pool.shutdown, True)
         with self._conns_lock:
@@ -247,9 +246,8 @@ class Store:
         return await self.read(lambda c: queries.list_sessions(c, user_id))
 
     async def delete_session(self, session_id: str, *, user_id: str | None = None) -> bool:
-        """Delete the session and all it produced (:func:`proxy.store.forget.forget_session`:
-        sub-sessions, turns, derived items, its slots); False if none matched. Then
-        ``await store.scrubber.scrub()`` makes the bytes leave the files."""
+        """Delete the session, sub-sessions, turns, derived items, its slots (store.forget);
+        False if none matched. ``await store.scrubber.scrub()`` then clears the files."""
         return await self.write(lambda c: forget_session(c, session_id, user_id)) is not None
 
     async def delete_user(self, user_id: str) -> bool:
@@ -393,9 +391,8 @@ class Store:
     async def fts_word_shares(
         self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
     ) -> dict[str, float]:
-        """For each query word, the share of ``user_id``'s turns whose FTS5 row holds it, as far
-        as known without waiting (:class:`proxy.store.search.UserWordCounts`); empty while the
-        user holds fewer than ``min_turns`` turns. No reader hop when all is remembered."""
+        """Each query word's share of ``user_id``'s turns, as far as known without waiting
+        (search.UserWordCounts); empty below ``min_turns`` turns. No hop when remembered."""
         words = list(dict.fromkeys(words))
         floor, mine, total = max(1, min_turns), self._fresh(user_id), self._fresh("\0all")
         if not words or (mine is not None and mine < floor):  # known to be below: no read
@@ -410,19 +407,22 @@ class Store:
             return self._words.shares(c, user_id, words, mine, total, above) or {}
 
         shares = quick if quick is not None else await self.read(job)
-        if self._words.pending() and self._reader_pool is not None:
+        if self._words.pending() and self._writer is not None:
             self._words.running = True  # counted in the background: nothing waits for it
             self._in_background(self._words.run)
         return shares
 
     def _in_background(self, fn: Callable[[Connection], object]) -> None:
-        """Run ``fn(conn)`` on a reader thread; nothing waits for it."""
-        if self._reader_pool is not None:
-            self._reader_pool.submit(lambda: fn(self._local.conn))
+        """Run ``fn(conn)`` on the loader thread (store.warm); nothing waits for it."""
+        self.loader.submit(fn)
+
+    async def preload(self) -> list[str]:
+        """Start loading the caches of the users seen last (a warm start, store.warm)."""
+        return await warm.warm_start(self.read, self.terms, self.vectors, self._in_background,
+                                     self.vec_dim)  # fmt: skip
 
     def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
-        """A recent count of the user's turns, or (``None``) of all turns (reader thread; a
-        stale value only picks a plan or weighs how common a word is)."""
+        """A recent count of the user's (``None``: all) turns; stale only picks a plan."""
         key = "\0all" if user_id is None else user_id
         if (known := self._fresh(key)) is not None:
             return known

@@ -233,6 +233,17 @@ class TermCache:
             )
             return index.rank(terms, weights, keep, limit)
 
+    def preload(
+        self,
+        user_id: str,
+        rows: int,
+        in_background: Callable[[Callable[[Connection], object]], None],
+    ) -> None:
+        """Load a user of ``rows`` turns with ``in_background`` if it fits and is not held."""
+        fits = self.max_bytes > 0 and rows * BYTES_PER_TURN <= self.max_bytes
+        if fits and self._wants_load(user_id):
+            in_background(lambda c: self.load(c, user_id))
+
     def _wants_load(self, user_id: str) -> bool:
         with self._lock:
             if user_id in self._users or user_id in self._scheduled:

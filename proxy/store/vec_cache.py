@@ -297,6 +297,18 @@ class VectorCache:
             in_background(lambda conn: self.load(conn, user_id))
         return None
 
+    def preload(
+        self,
+        user_id: str,
+        rows: int,
+        dim: int,
+        in_background: Callable[[Callable[[Connection], object]], None],
+    ) -> None:
+        """Load a user of ``rows`` vectors of ``dim`` floats with ``in_background`` if they fit
+        and are not held."""
+        if self.fits(rows, dim) and self.wants_load(user_id):
+            in_background(lambda conn: self.load(conn, user_id))
+
     def fits(self, rows: int, dim: int) -> bool:
         """Whether a user of ``rows`` vectors of ``dim`` floats, loaded, stays within
         ``max_bytes`` (counted as :attr:`_Rows.nbytes` counts a fresh load)."""
