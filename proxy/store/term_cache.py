@@ -34,7 +34,9 @@ asks FTS5. A turn still ``fts_pending`` is in no neighbour's ``ctx`` here until 
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +46,8 @@ from proxy.store.db import Connection
 from proxy.store.rows import json_list
 from proxy.store.scope import in_scope
 from proxy.store.term_index import TURNS_SQL, TermIndex
+
+log = logging.getLogger("engram.store")
 
 MAX_BYTES = 128 * 1024 * 1024
 """Memory the cache may hold (a user of 100,000 LoCoMo-like turns takes about 58 MB)."""
@@ -256,7 +260,7 @@ class TermCache:
         reads are added after."""
         with self._lock:
             self._loading[user_id] = []
-        done = False
+        done, t0 = False, time.perf_counter()
         try:
             built = TermIndex()
             sql = TURNS_SQL + " WHERE t.user_id = ? AND t.fts_pending = 0 ORDER BY t.id"
@@ -272,6 +276,9 @@ class TermCache:
                         self.loads += 1
                         self._evict()
                         done = True
+                        took = time.perf_counter() - t0
+                        log.info("terms in memory: %d turns in %.1f s (%.1f MB)", built.n, took,
+                                 built.nbytes / 1e6)  # fmt: skip
                         return
                     self._loading[user_id] = []
                 more = conn.execute(
