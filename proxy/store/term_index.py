@@ -7,7 +7,9 @@ So each turn is tokenized once, by FTS5's own tokenizer in a private in-memory t
 terms by construction), into its body's terms, its cut body's and its date's; a row's ``ctx`` is
 derived at query time from the neighbour table (a term of turn x's cut body is in the ``ctx`` of
 each of x's neighbours: being neighbours is symmetric). A new turn appends its postings and
-rewires at most ``2 * CTX_TURNS`` neighbours; no row is rewritten.
+rewires at most ``2 * CTX_TURNS`` neighbours; no row is rewritten. The tokenizer is
+``FTS_TOKENIZE``, the one every database's ``turns_fts`` was made with (changing it takes a
+migration that rebuilds ``turns_fts``: see :mod:`proxy.store.migrations`).
 """
 
 from __future__ import annotations
