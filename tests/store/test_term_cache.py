@@ -287,3 +287,40 @@ async def test_turns_another_process_imports_are_found(store: Store) -> None:
     top = [i for i, _ in await store.fts_search("u", '"narwhal"', 5)]
     assert set(top[:2]) == {mine, found[0][0]}  # (then the neighbours that hold it in ctx)
     assert store.terms.loads == before + 1
+
+
+async def test_turns_indexed_while_a_user_loads_in_the_background_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user too big to load on the spot (here: any) is loaded on the loader thread while
+    FTS5 answers; turns committed during that load are added once it is in, none twice."""
+    from proxy.store import term_cache, term_index
+
+    monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)
+    monkeypatch.setattr(term_index, "LOAD_CHUNK", 1)  # a slow load: one turn per statement
+    during = 0
+    async with Store(tmp_path / "memory.db") as st:
+        await archive(st, "u", 30)
+        assert await st.fts_search("u", '"lake"', 5)  # FTS5's answer; the load starts
+        assert not st.terms.held("u")
+
+        async def write(k: int) -> None:
+            nonlocal during
+            await st.add_turns(f"u-s{k % 6}", "u", [NewTurn(100 + k, "user", f"otter {k}")])
+            during += "u" in st.terms._loading  # committed while the load was reading
+
+        for k in range(30):
+            await write(k)
+        assert during > 0
+        for _ in range(500):
+            if st.terms.held("u"):
+                break
+            await asyncio.sleep(0.01)
+        assert st.terms.held("u") and st.terms.loads == 1
+        await asyncio.gather(*(write(k) for k in range(30, 40)))
+        otters = await st.fts_search("u", '"otter"', 200)
+        contents = {t.content for t in await st.get_turns([i for i, _ in otters])}
+        assert {f"otter {k}" for k in range(40)} <= contents
+        await check_all(st, "u")
+        index = st.terms._users["u"]
+        assert len(index.held) == index.n == len(set(index.ids[: index.n].tolist()))
