@@ -309,18 +309,21 @@ async def test_turns_indexed_while_a_user_loads_in_the_background_are_kept(
             await st.add_turns(f"u-s{k % 6}", "u", [NewTurn(100 + k, "user", f"otter {k}")])
             during += "u" in st.terms._loading  # committed while the load was reading
 
-        for k in range(30):
-            await write(k)
-        assert during > 0
-        for _ in range(500):
+        written = 0
+        while not st.terms.held("u") and written < 60:  # writes while it loads
+            await write(written)
+            written += 1
+        for _ in range(1000):
             if st.terms.held("u"):
                 break
             await asyncio.sleep(0.01)
         assert st.terms.held("u") and st.terms.loads == 1
-        await asyncio.gather(*(write(k) for k in range(30, 40)))
-        otters = await st.fts_search("u", '"otter"', 200)
+        assert during > 0
+        for k in range(written, written + 10):  # and after
+            await write(k)
+        otters = await st.fts_search("u", '"otter"', 500)
         contents = {t.content for t in await st.get_turns([i for i, _ in otters])}
-        assert {f"otter {k}" for k in range(40)} <= contents
+        assert {f"otter {k}" for k in range(written + 10)} <= contents
         await check_all(st, "u")
         index = st.terms._users["u"]
         assert len(index.held) == index.n == len(set(index.ids[: index.n].tolist()))
