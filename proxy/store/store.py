@@ -138,6 +138,7 @@ class Store:
         writer, self._writer = self._writer, None
         pool, self._reader_pool = self._reader_pool, None
         loop = asyncio.get_running_loop()
+        self.terms.closing = True  # a load in flight stops at its next chunk
         await loop.run_in_executor(None, self.loader.close)
         if pool is not None:
             await loop.run_in_executor(None, pool.shutdown, True)
@@ -418,8 +419,7 @@ class Store:
 
     async def preload(self) -> list[str]:
         """Start loading the caches of the users seen last (a warm start, store.warm)."""
-        return await warm.warm_start(self.read, self.terms, self.vectors, self._in_background,
-                                     self.vec_dim)  # fmt: skip
+        return await warm.warm_start(self.read, self.terms, self.vectors, self.loader.submit, self.vec_dim)  # fmt: skip  # noqa: E501
 
     def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
         """A recent count of the user's (``None``: all) turns; stale only picks a plan."""

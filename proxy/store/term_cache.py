@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 from proxy.store.db import Connection
 from proxy.store.rows import json_list
 from proxy.store.scope import in_scope
-from proxy.store.term_index import TURNS_SQL, TermIndex
+from proxy.store.term_index import TURNS_SQL, LoadStopped, TermIndex
 
 log = logging.getLogger("engram.store")
 
@@ -125,6 +125,7 @@ class TermCache:
         self._lock = threading.Lock()
         self.loads = 0
         self._mine = 0  # the highest turn id this process inserted (or found at start)
+        self.closing = False  # set when the store closes: a load in flight stops
 
     def inserted(self, turn_id: int) -> None:
         """This process inserted (or, at start, found) turn ``turn_id`` (writer thread, before
@@ -264,7 +265,7 @@ class TermCache:
         try:
             built = TermIndex()
             sql = TURNS_SQL + " WHERE t.user_id = ? AND t.fts_pending = 0 ORDER BY t.id"
-            built.add([tuple(r) for r in conn.execute(sql, (user_id,))])
+            built.add([tuple(r) for r in conn.execute(sql, (user_id,))], lambda: self.closing)
             while True:  # then what was indexed while it read, until nothing more came
                 with self._lock:
                     pending = self._loading.get(user_id)
@@ -287,6 +288,8 @@ class TermCache:
                     (json_list(pending),),
                 )
                 built.add([tuple(r) for r in more])
+        except LoadStopped:
+            return
         finally:
             with self._lock:
                 self._scheduled.discard(user_id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,10 @@ TURNS_SQL = (
     " FROM turns t JOIN sessions s ON s.id = t.session_id"
 )
 """The columns :meth:`TermIndex.add` takes, for a ``WHERE`` to follow."""
+
+
+class LoadStopped(Exception):
+    """A load was asked to stop (the store is closing)."""
 
 
 def terms_of(match: str) -> list[str] | None:
@@ -189,8 +193,12 @@ class TermIndex:
             new[: self.n] = old[: self.n]
             setattr(self, name, new)
 
-    def add(self, turns: Sequence[tuple[Any, ...]]) -> None:
-        """Append turns (id, session, position, role, indexed, body, date) not held yet."""
+    def add(
+        self, turns: Sequence[tuple[Any, ...]], stop: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Append turns (id, session, position, role, indexed, body, date) not held yet.
+        ``stop`` is asked between chunks of ``LOAD_CHUNK`` turns: True raises
+        :class:`LoadStopped` (the index is then half built: throw it away)."""
         turns = [t for t in turns if int(t[0]) not in self.held]
         if not turns:
             return
@@ -204,6 +212,8 @@ class TermIndex:
             self.role[row] = self.roles.code(str(role))
             self.held[int(turn_id)] = row
         for start in range(0, len(turns), LOAD_CHUNK):
+            if stop():
+                raise LoadStopped
             part = rows[start : start + LOAD_CHUNK]
             texts = [
                 (row, str(t[5]), str(t[6])) for row, t in zip(part, turns[start:], strict=False)

@@ -60,3 +60,29 @@ async def test_a_long_background_load_never_holds_a_reader(tmp_path: Path) -> No
         hits = await st.fts_search("user0", '"lakes"', 3)  # the one reader is free
         assert hits and time.perf_counter() - t0 < 2
         release.set()
+
+
+async def test_closing_stops_a_load_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from proxy.store import term_cache, term_index
+
+    monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)
+    monkeypatch.setattr(term_index, "LOAD_CHUNK", 1)  # a slow load: one turn per statement
+    async with Store(tmp_path / "m.db") as st:
+        await fill(st, 1)
+        for s in range(40):
+            turns = [NewTurn(i, "user", f"more about lakes {s} {i}") for i in range(20)]
+            await st.add_turns("user0-s", "user0", [NewTurn(10 + s * 20 + i, "user", t.content)
+                                                    for i, t in enumerate(turns)])  # fmt: skip
+        await st.fts_search("user0", '"lakes"', 3)  # starts the load in the background
+        for _ in range(200):
+            if "user0" in st.terms._loading:
+                break
+            await asyncio.sleep(0.005)
+        assert "user0" in st.terms._loading
+        loading = time.perf_counter()
+    closed = time.perf_counter() - loading
+    assert not st.terms.held("user0")
+    # the whole load takes ~0.3 s and more here; closing waited for one chunk, not for it
+    assert closed < 0.25, closed
