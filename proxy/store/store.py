@@ -419,7 +419,7 @@ class Store:
 
     async def preload(self) -> list[str]:
         """Start loading the caches of the users seen last (a warm start, store.warm)."""
-        return await warm.warm_start(self.read, self.terms, self.vectors, self.loader.submit, self.vec_dim)  # fmt: skip  # noqa: E501
+        return await warm.warm_start(self.read, self.terms, self.vectors, self.loader, self.vec_dim)
 
     def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
         """A recent count of the user's (``None``: all) turns; stale only picks a plan."""

@@ -219,8 +219,7 @@ class TermCache:
             if index is not None:
                 self._users.move_to_end(user_id)
         if index is None:
-            fits = self.max_bytes > 0 and expected_rows * BYTES_PER_TURN <= self.max_bytes
-            if not (fits and self._wants_load(user_id)):
+            if not (self._fits(expected_rows) and self._wants_load(user_id)):
                 return None
             if expected_rows > LOAD_NOW_ROWS:
                 in_background(lambda c: self.load(c, user_id))
@@ -245,9 +244,11 @@ class TermCache:
         in_background: Callable[[Callable[[Connection], object]], None],
     ) -> None:
         """Load a user of ``rows`` turns with ``in_background`` if it fits and is not held."""
-        fits = self.max_bytes > 0 and rows * BYTES_PER_TURN <= self.max_bytes
-        if fits and self._wants_load(user_id):
+        if self._fits(rows) and self._wants_load(user_id):
             in_background(lambda c: self.load(c, user_id))
+
+    def _fits(self, rows: int) -> bool:
+        return self.max_bytes > 0 and rows * BYTES_PER_TURN <= self.max_bytes
 
     def _wants_load(self, user_id: str) -> bool:
         with self._lock:

@@ -199,7 +199,7 @@ class TermIndex:
         """Append turns (id, session, position, role, indexed, body, date) not held yet.
         ``stop`` is asked between chunks of ``LOAD_CHUNK`` turns: True raises
         :class:`LoadStopped` (the index is then half built: throw it away)."""
-        turns = [t for t in turns if int(t[0]) not in self.held]
+        turns = list({int(t[0]): t for t in turns if int(t[0]) not in self.held}.values())
         if not turns:
             return
         first = self.n

@@ -82,15 +82,15 @@ async def warm_start(
     read: Callable[[Callable[[Connection], Any]], Awaitable[Any]],
     terms: TermCache,
     vectors: VectorCache,
-    submit: Callable[[Callable[[Connection], object]], None],
+    loader: Loader,
     dim: int | None,
     limit: int = WARM_USERS,
 ) -> list[str]:
-    """Start loading the terms and vectors of the :func:`recent_users` that fit (``submit``:
-    the loader); the users asked for."""
+    """Start loading, on ``loader``, the terms and vectors of the :func:`recent_users` that
+    fit; the users asked for."""
     users: list[tuple[str, int]] = await read(lambda c: recent_users(c, limit))
     for user, rows in users:
-        terms.preload(user, rows, submit)
+        terms.preload(user, rows, loader.submit)
         if dim:
-            vectors.preload(user, rows, dim, submit)
+            vectors.preload(user, rows, dim, loader.submit)
     return [user for user, _ in users]
