@@ -43,6 +43,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from proxy.search.fusion import Fused
 from proxy.search.timewords import asks_about_time, says_when
 from proxy.search.when import query_times, said_in
@@ -54,6 +57,8 @@ LENGTH_CAP = 50
 """Characters past which a turn's length no longer counts."""
 
 _LOG_CAP = math.log1p(LENGTH_CAP)
+_LENGTH = [math.log1p(chars) / _LOG_CAP for chars in range(LENGTH_CAP + 1)]
+"""The ``length`` feature of 0..LENGTH_CAP characters."""
 _ROLE_NAMES = frozenset({"user", "assistant", "system", "tool", "function", "developer"})
 _WORD = re.compile(r"\w+")
 
@@ -107,42 +112,64 @@ def features(
     """One row of :data:`FEATURES` per candidate, in order. ``vec_ids``: the vector path's
     candidates (whose cosines the ``neighbour`` feature looks at); ``now``: the request's time
     (Unix seconds), for the query's relative times ("last week")."""
-    scored = [c.bm25 for c in candidates if c.bm25 is not None]
-    best = min(scored, default=0.0)
-    fts = {c.id: (c.bm25 / best if best < 0 and c.bm25 is not None else 0.0) for c in candidates}
+    return [tuple(row) for row in feature_matrix(candidates, query, vec_ids, now).tolist()]
+
+
+def feature_matrix(
+    candidates: Sequence[Candidate],
+    query: str,
+    vec_ids: Sequence[int],
+    now: float | None = None,
+) -> npt.NDArray[np.float64]:
+    """:func:`features` as a (candidates, features) array: the columns computed a whole list at
+    a time, since this runs on every search."""
+    n = len(candidates)
+    out = np.zeros((n, len(FEATURES)), dtype=np.float64)
+    if not n:
+        return out
+    # fts: BM25 over the query's best (both negative), 0 where FTS5 did not find the turn
+    bm25 = np.array([np.nan if c.bm25 is None else c.bm25 for c in candidates])
+    found = ~np.isnan(bm25)
+    best = float(bm25[found].min()) if found.any() else 0.0
+    if best < 0:
+        out[found, 0] = bm25[found] / best
+    # vec: the cosine stretched over the vector path's list
     in_vec = set(vec_ids)
-    listed = [c.cosine for c in candidates if c.id in in_vec and c.cosine is not None]
-    floor = min(listed, default=0.0)
-    span = (max(listed, default=0.0) - floor) or 1.0
-
-    def vec(cosine: float | None) -> float:
-        """The cosine stretched over the vector path's list: 1 its best, 0 its last (or less)."""
-        return 0.0 if cosine is None or not listed else max(0.0, (cosine - floor) / span)
-
-    at = {(c.session_id, c.position): vec(c.cosine) for c in candidates if c.id in in_vec}
-    session_best: dict[str, float] = {}
-    for c in candidates:
-        session_best[c.session_id] = max(session_best.get(c.session_id, 0.0), fts[c.id])
+    listed = np.array([c.id in in_vec for c in candidates])
+    cosine = np.array([np.nan if c.cosine is None else c.cosine for c in candidates])
+    known = ~np.isnan(cosine)
+    scale = listed & known
+    if scale.any():
+        floor = float(cosine[scale].min())
+        span = (float(cosine[scale].max()) - floor) or 1.0
+        out[known, 1] = np.maximum(0.0, (cosine[known] - floor) / span)
+    # speaker, session, neighbour: per candidate, from its session's other candidates
     names = named_speakers(query, [c.speaker for c in candidates])
+    vec_at = {
+        (c.session_id, c.position): v
+        for c, v, on in zip(candidates, out[:, 1].tolist(), listed.tolist(), strict=True)
+        if on
+    }
+    session_best: dict[str, float] = {}
+    for c, f in zip(candidates, out[:, 0].tolist(), strict=True):
+        session_best[c.session_id] = max(session_best.get(c.session_id, 0.0), f)
     timely = asks_about_time(query)
     times = query_times(query, now)
-    rows: list[tuple[float, ...]] = []
-    for c in candidates:
-        around = [at.get((c.session_id, c.position + d)) for d in (-1, 1)]
-        neighbour = max((x for x in around if x is not None), default=0.0)
-        rows.append(
-            (
-                fts[c.id],
-                vec(c.cosine),
-                1.0 if c.speaker in names else 0.0,
-                session_best[c.session_id],
-                neighbour,
-                math.log1p(min(c.chars, LENGTH_CAP)) / _LOG_CAP,
-                1.0 if timely and says_when(c.text) else 0.0,
-                1.0 if said_in(c.at, times) else 0.0,
-            )
+    out[:, 2] = [1.0 if c.speaker in names else 0.0 for c in candidates]
+    out[:, 3] = [session_best[c.session_id] for c in candidates]
+    out[:, 4] = [
+        max(
+            vec_at.get((c.session_id, c.position - 1), 0.0),
+            vec_at.get((c.session_id, c.position + 1), 0.0),
         )
-    return rows
+        for c in candidates
+    ]
+    out[:, 5] = [_LENGTH[min(max(c.chars, 0), LENGTH_CAP)] for c in candidates]
+    if timely:
+        out[:, 6] = [1.0 if says_when(c.text) else 0.0 for c in candidates]
+    if times:
+        out[:, 7] = [1.0 if said_in(c.at, times) else 0.0 for c in candidates]
+    return out
 
 
 def scored_fusion(
@@ -156,14 +183,16 @@ def scored_fusion(
     candidate ids, best first (``"vec"``'s feed the ``neighbour`` feature; both give each
     result its 1-based rank per path); ``now``: the request's time. Ties go to the better best
     rank in any path, then to the id."""
-    w = [float(weights.get(name, 0.0)) for name in FEATURES]
-    rows = features(candidates, query, ranks.get("vec", ()), now)
+    if not candidates:
+        return []
+    matrix = feature_matrix(candidates, query, ranks.get("vec", ()), now)
+    score = np.zeros(len(candidates), dtype=np.float64)
+    for j, name in enumerate(FEATURES):  # summed in this order, as a plain sum would
+        score += float(weights.get(name, 0.0)) * matrix[:, j]
     position = {path: {i: r for r, i in enumerate(ids, 1)} for path, ids in ranks.items()}
-    keyed = []
-    for c, row in zip(candidates, rows, strict=True):
-        score = sum(x * y for x, y in zip(w, row, strict=True))
-        at = {p: position[p].get(c.id) for p in ranks}
-        best = min((r for r in at.values() if r is not None), default=1 << 30)
-        keyed.append(((-score, best, c.id), Fused(c.id, score, at)))
-    keyed.sort(key=lambda pair: pair[0])
-    return [fused for _, fused in keyed]
+    at = [{p: position[p].get(c.id) for p in ranks} for c in candidates]
+    best = [min((r for r in a.values() if r is not None), default=1 << 30) for a in at]
+    ids = [c.id for c in candidates]
+    order = np.lexsort((np.array(ids), np.array(best), -score))
+    scores = score.tolist()
+    return [Fused(ids[i], scores[i], at[i]) for i in order.tolist()]
