@@ -180,6 +180,15 @@ class MemorySettings:
         "Extra regular expressions; a request whose last user message matches one is "
         "treated as client housekeeping (titles, tags): answered, not archived, no memories.",
     )
+    cache_mb: int = opt(
+        384,
+        "Memory (MiB) for the search indexes held in RAM per server: a third for users' "
+        "full-text terms (BM25), two thirds for their vectors. 10,000 turns take about 6 + 16 "
+        "MiB, 100,000 about 58 + 154; the users searched most recently are kept. A user who "
+        "does not fit is searched in SQLite (FTS5, sqlite-vec) instead: slower, and BM25 then "
+        "counts with FTS5's statistics of every user. 0: nothing held.",
+        min=0,
+    )
     admin_token: str = opt(
         "",
         "Token the admin API (/engram/api/*) requires as Authorization: Bearer. Empty: one is "

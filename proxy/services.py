@@ -42,6 +42,7 @@ from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
 from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
+from proxy.store.warm import cache_split
 from proxy.tasks import BackgroundTasks, every, stop
 from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect
@@ -150,7 +151,8 @@ async def open_services(
                     "has finished (or stop it: it continues where it stopped next time)"
                 ) from None
             closing("releasing the database lock", _async(lock.release))
-            store = Store(path)
+            fts_memory, vec_memory = cache_split(settings.memory.cache_mb)
+            store = Store(path, fts_memory=fts_memory, vec_memory=vec_memory)
             await store.open()
             closing("closing the database", store.close)
         parts = await _open_memory(settings, store, tasks, upstream, closing) if store else None

@@ -8,9 +8,8 @@ them read while the writer writes); cache loads on a loader thread of their own 
 
 Public surface (all ``async`` except the constructor)::
 
-    Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE,
-          fts_weights=FTS_WEIGHTS,   bm25 weights (body, ctx, date)
-          fts_memory=MAX_BYTES)      bytes for users' terms in memory (0: none); open() / close()
+    Store(path, *, readers=2, vec_mode="auto", quantized_above=QUANTIZED_ABOVE, fts_weights=
+          FTS_WEIGHTS, fts_memory=, vec_memory=)  bm25 (body, ctx, date); RAM for terms, vectors
     read(fn) / write(fn, transaction=True)   run fn(conn) on a reader / in a write transaction
                                 (fns from proxy.store's table modules: feedback, slots, items…)
     ensure_user(user_id);  get_or_create_session(user_id, session_id, *, parent_id=None,
@@ -78,6 +77,7 @@ class Store:
         quantized_above: int = QUANTIZED_ABOVE,
         fts_weights: Sequence[float] = FTS_WEIGHTS,
         fts_memory: int = term_cache.MAX_BYTES,
+        vec_memory: int = vec_cache.MAX_BYTES,
     ) -> None:
         if str(path) == ":memory:":
             raise ValueError("the store needs a file: readers and writer use separate connections")
@@ -97,7 +97,7 @@ class Store:
         self._user_counts: dict[str, tuple[float, int]] = {}
         self.vec_dim: int | None = None  # turn_vec's, read at open
         self._words = search.UserWordCounts()
-        self.vectors = vec_cache.VectorCache()  # the exact KNN in numpy (store.vec_cache)
+        self.vectors = vec_cache.VectorCache(vec_memory)  # the exact KNN in numpy
         self.terms = term_cache.TermCache(fts_memory, self.vectors.clear)  # BM25 in numpy
         self.loader = warm.Loader(self.path)  # loads those caches beside the readers
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint

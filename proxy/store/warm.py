@@ -94,3 +94,11 @@ async def warm_start(
         if dim:
             vectors.preload(user, rows, dim, loader.submit)
     return [user for user, _ in users]
+
+
+def cache_split(mib: int) -> tuple[int, int]:
+    """``(fts_memory, vec_memory)`` for ``mib`` MiB of search indexes in RAM (``[memory]
+    cache_mb``): a third for users' terms, the rest for their vectors, which take about three
+    times the room per turn (384 floats against some 150 postings)."""
+    total = max(0, mib) * 1024 * 1024
+    return total // 3, total - total // 3

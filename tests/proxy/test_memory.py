@@ -367,3 +367,33 @@ async def test_session_id_sent_back_continues_the_same_session(
     assert r2.headers["X-Engram-Session"] == sent
     await settle(engram)
     assert [t.content for t in await all_turns(engram, "o2") if t.role == "user"] == ["b", "c"]
+
+
+async def test_cache_mb_sizes_the_search_caches_and_zero_holds_nothing(fake: FakeUpstream) -> None:
+    """``[memory] cache_mb`` reaches the store: a third for terms, the rest for vectors; at 0
+    recall still works (from SQLite) and nothing is held in RAM."""
+    engram = await start_engram(fake.url, memory={"cache_mb": 3})
+    try:
+        store = engram.app[SERVICES].store
+        assert store is not None
+        assert (store.terms.max_bytes, store.vectors.max_bytes) == (1 << 20, 2 << 20)
+    finally:
+        await engram.close()
+    engram = await start_engram(fake.url, memory={"cache_mb": 0})
+    try:
+        store = engram.app[SERVICES].store
+        assert store is not None
+        async with aiohttp.ClientSession() as http:
+            await chat(
+                http, engram, [{"role": "user", "content": "My cat Miso sleeps on the piano"}]
+            )
+            await settle(engram)
+            await chat(http, engram, [{"role": "user", "content": "Where does Miso sleep?"}])
+        assert "piano" in forwarded_system(fake)
+        assert store.terms.loads == 0 and store.vectors.loads == 0
+        users = await store.list_users()
+        assert users and all(
+            not store.terms.held(u) and store.vectors.get(u) is None for u in users
+        )
+    finally:
+        await engram.close()

@@ -14,6 +14,7 @@ import pytest_asyncio
 
 from proxy.store import NewTurn, Store, search
 from proxy.store.migrations import EMBED_DIM
+from proxy.store.warm import cache_split
 from proxy.vectors import Vector
 
 pytestmark = pytest.mark.asyncio
@@ -191,3 +192,24 @@ async def test_a_user_too_large_to_hold_is_never_loaded(tmp_path: Path) -> None:
             assert (await store.vec_search("u", vecs[7], 1))[0][0] == ids[7]
             await asyncio.sleep(0.05)
         assert store.vectors.loads == 0 and store.vectors.get("u") is None
+
+
+async def test_vec_memory_zero_keeps_every_search_in_vec0(tmp_path: Path) -> None:
+    """``Store(vec_memory=0)`` (``[memory] cache_mb = 0``): vec0 answers, nothing is loaded."""
+    rng = np.random.default_rng(5)
+    async with Store(tmp_path / "m.db", vec_memory=0) as store:
+        await store.get_or_create_session("u", "s")
+        turns = [NewTurn(i, "user", f"turn {i}") for i in range(40)]
+        vecs = [unit(rng) for _ in turns]
+        ids = await store.add_turns("s", "u", turns, vecs)
+        for i in range(20):
+            assert (await store.vec_search("u", vecs[i], 1))[0][0] == ids[i]
+            await asyncio.sleep(0.01)
+        assert store.vectors.loads == 0 and store.vectors.get("u") is None
+
+
+async def test_cache_mb_is_shared_a_third_to_terms() -> None:
+    assert cache_split(384) == (128 << 20, 256 << 20)  # the defaults of both caches
+    assert cache_split(0) == (0, 0)
+    fts, vec = cache_split(1000)
+    assert fts + vec == 1000 << 20 and vec == 2 * fts + (1000 << 20) % 3
