@@ -1,10 +1,12 @@
 """What a search may return: the scope filters both in-memory searches share (the vectors of
 :mod:`proxy.store.vec_cache`, the terms of :mod:`proxy.store.term_cache`), over rows that carry
-each turn's id, session, ``indexed`` flag and role as small integer codes."""
+each turn's id, session, ``indexed`` flag and role as small integer codes; and the one rule
+both caches follow before loading a user (:func:`claim_load`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -67,3 +69,15 @@ def in_scope(
     if exclude_ids:
         keep &= ~np.isin(rows.ids[:n], np.asarray(list(exclude_ids), dtype=np.int64))
     return keep
+
+
+def claim_load(
+    lock: threading.Lock, held: Container[str], scheduled: set[str], user_id: str
+) -> bool:
+    """True, and ``user_id`` marked in ``scheduled``, when the user is neither held nor already
+    scheduled to load: one load per user at a time, claimed under the cache's ``lock``."""
+    with lock:
+        if user_id in held or user_id in scheduled:
+            return False
+        scheduled.add(user_id)
+        return True

@@ -44,7 +44,7 @@ from typing import Any, TypeVar
 
 from proxy.store.db import Connection
 from proxy.store.rows import json_list
-from proxy.store.scope import in_scope
+from proxy.store.scope import claim_load, in_scope
 from proxy.store.term_index import TURNS_SQL, LoadStopped, TermIndex
 
 log = logging.getLogger("engram.store")
@@ -251,11 +251,7 @@ class TermCache:
         return self.max_bytes > 0 and rows * BYTES_PER_TURN <= self.max_bytes
 
     def _wants_load(self, user_id: str) -> bool:
-        with self._lock:
-            if user_id in self._users or user_id in self._scheduled:
-                return False
-            self._scheduled.add(user_id)
-            return True
+        return claim_load(self._lock, self._users, self._scheduled, user_id)
 
     def load(self, conn: Connection, user_id: str) -> None:
         """Read and tokenize the user's indexed turns (a reader thread); turns indexed while it

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.store.db import Connection
-from proxy.store.scope import Codes, in_scope
+from proxy.store.scope import Codes, claim_load, in_scope
 from proxy.vectors import Vector, as_vector
 
 MAX_BYTES = 256 * 1024 * 1024
@@ -238,11 +238,7 @@ class VectorCache:
 
     def wants_load(self, user_id: str) -> bool:
         """True (and the user marked as scheduled) when ``user_id`` should be loaded."""
-        with self._lock:
-            if user_id in self._users or user_id in self._scheduled:
-                return False
-            self._scheduled.add(user_id)
-            return True
+        return claim_load(self._lock, self._users, self._scheduled, user_id)
 
     def load(self, conn: Connection, user_id: str) -> None:
         """Read the user's rows (a reader thread, after :meth:`wants_load` said so). Inserts
