@@ -362,9 +362,17 @@ class PromptSettings:
     )
     reply_reserve: int = opt(
         1024,
-        "Tokens kept free for the reply when the request sets no max_tokens (at most a "
-        "quarter of the context).",
+        "Tokens kept free for the reply when the request sets no max_tokens (at most "
+        "reply_share of the context).",
         min=16,
+    )
+    reply_share: float = opt(
+        0.25,
+        "The most of the context kept free for the reply, whatever max_tokens asks: agents send "
+        "their model's ceiling (opencode and Claude Code 32,000), which would leave a local "
+        "model's context no room for the prompt.",
+        min=0.01,
+        max=0.9,
     )
 
 

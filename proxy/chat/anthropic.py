@@ -18,8 +18,9 @@ with ``device_id`` and ``session_id``): that one names an installation, not a pe
 session id is shared by the conversation's sub-agents and side requests (titles, topics), so it
 names neither the user nor a conversation (nor does its ``X-Claude-Code-Session-Id`` header).
 Engram's hash chain tells Claude Code's conversations apart; its billing line's per-request stamp
-is fixed in the neutral text for that. ``max_tokens``, which every request must send, keeps at
-most :data:`REPLY_ROOM` tokens free for the reply in the prompt budget.
+is fixed in the neutral text for that. ``max_tokens``, which every request must send, is the
+client's ceiling rather than the room a reply needs: the prompt budget keeps at most
+``prompt.reply_share`` of the context free for it, as on every API.
 
 Engram's expansion tool (``engram_expand``) is offered as an Anthropic tool and answered by
 Engram (:mod:`proxy.chat.anthropic_expand`), as for chat completions.
@@ -37,7 +38,7 @@ from proxy.chat.anthropic_expand import AnthropicDialect
 from proxy.chat.anthropic_neutral import AnthropicConversation, neutral_messages
 from proxy.chat.anthropic_reply import StreamReader, WholeReader
 from proxy.chat.anthropic_translate import ChatToEvents, ChatToMessage, to_chat
-from proxy.chat.api import Conversation, Message
+from proxy.chat.api import Conversation, Message, rendered_parts
 from proxy.chat.openai_chat import parse_chat_body
 from proxy.errors import BadRequest
 from proxy.messages import without_lone_surrogates
@@ -70,10 +71,6 @@ _BY_STATUS = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-# ``max_tokens`` is required by the Messages API, so clients send their model's ceiling (Claude
-# Code: 32,000 or more), not the room a reply needs: kept free for the reply up to this many
-# tokens, or the prompt budget of a local model's context would leave no room for the history.
-REPLY_ROOM = 4096
 _CLAUDE_CODE_ID = re.compile(r"^user_[0-9a-fA-F]*_account_[^\s]*_session_[0-9a-fA-F-]+$")
 
 
@@ -92,7 +89,7 @@ class AnthropicMessages:
         model = body.get("model")
         ceiling = body.get("max_tokens")  # every request must send one: not the room it needs
         room = (
-            min(ceiling, REPLY_ROOM)
+            ceiling
             if isinstance(ceiling, int) and not isinstance(ceiling, bool) and ceiling > 0
             else None
         )
@@ -105,6 +102,7 @@ class AnthropicMessages:
             hints=hints(clean),
             system_text=top,
             reshape=reshape,
+            rendered=rendered_parts(body),
         )
 
     def encode(self, conv: Conversation, messages: list[Message]) -> bytes:

@@ -52,6 +52,19 @@ class Conversation:
     # The messages are not the whole conversation (the upstream holds earlier turns, e.g. by
     # ``previous_response_id``): the upstream's prompt token count says nothing of them.
     partial: bool = False
+    # What else of the body the upstream renders into the prompt (tool definitions): counted in
+    # the prompt's budget, never changed.
+    rendered: tuple[Any, ...] = ()
+
+
+RENDERED_FIELDS = ("tools", "functions")
+"""Body fields every chat API names alike whose content a chat template renders into the prompt
+(tool definitions; chat completions' legacy ``functions``)."""
+
+
+def rendered_parts(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The parts of ``body`` besides its messages that take room in the prompt."""
+    return tuple(body[k] for k in RENDERED_FIELDS if body.get(k))
 
 
 class ReplyReader(Protocol):

@@ -192,7 +192,11 @@ class MemoryService:
         mt.placement = placement if write or not placement.created else None
         try:
             await self.rewriter.compose(
-                mt, conv.reply_tokens, recall=recall, context_size=conv.context_size
+                mt,
+                conv.reply_tokens,
+                recall=recall,
+                context_size=conv.context_size,
+                rendered=conv.rendered,
             )
         finally:
             # The archive rows are made while the upstream answers; the commit writes them.

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy import json_input
-from proxy.chat.api import Conversation, Message
+from proxy.chat.api import Conversation, Message, rendered_parts
 from proxy.chat.ollama_expand import OllamaDialect
 from proxy.chat.ollama_translate import ChatToOllama, to_chat_body
 from proxy.chat.ollama_wire import (
@@ -80,6 +80,7 @@ class OllamaChat:
             reply_tokens=_positive(options.get("num_predict")),
             hints={},  # Ollama's body names no user or session: identity comes from headers
             context_size=_positive(options.get("num_ctx")),
+            rendered=rendered_parts(body),
         )
 
     def encode(self, conv: Conversation, messages: list[Message]) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from proxy.chat.api import Conversation, Message
+from proxy.chat.api import Conversation, Message, rendered_parts
 from proxy.chat.openai_expand import OpenAIChatDialect
 from proxy.chat.wire import EventStreamReader, WholeBodyReader, json_object, json_type
 from proxy.errors import BadRequest, error_body, sse_error_event
@@ -39,6 +39,7 @@ class OpenAIChat:
             stream=body.get("stream") is True,
             reply_tokens=reserve if valid_reserve else None,
             hints=clean,
+            rendered=rendered_parts(body),
         )
 
     def encode(self, conv: Conversation, messages: list[Message]) -> bytes:

@@ -34,6 +34,10 @@ STABLE_REFILL = 0.6  # in stable mode a cut leaves the window this full, with ro
 SUMMARY_OPEN = "<engram-summary>"
 SUMMARY_CLOSE = "</engram-summary>"
 SUMMARY_PREAMBLE = "Summary of the earlier part of this conversation (older turns are not shown):"
+# Assembly notes: what the assembler had to do (see :func:`assemble`).
+OVER_BUDGET = "over-budget"
+MEMORY_DROPPED = "memory-dropped"
+HISTORY_CUT = "history-cut"
 
 
 @dataclass(frozen=True)
@@ -77,11 +81,35 @@ def units(messages: Sequence[Message], start: int, end: int) -> list[tuple[int, 
 
 
 def current_start(messages: Sequence[Message], first: int) -> int:
-    """Index where the current exchange starts: the last user message (or ``first``)."""
+    """Index where the current turn starts: everything after the last assistant message that
+    precedes the last user message. A client may send several messages at once (an environment
+    block, then the question), and an agent loop's calls and results after the user message
+    belong to its turn."""
+    after_reply = first
+    last_user: int | None = None
+    for i in range(len(messages) - 1, first - 1, -1):
+        role = messages[i].get("role")
+        if role == "user" and last_user is None:
+            last_user = i
+        if role == "assistant" and last_user is not None:
+            after_reply = i + 1
+            break
+    return min(after_reply, last_user) if last_user is not None else after_reply
+
+
+def fixed_tokens(messages: Sequence[Message], count: Callable[[Message], int]) -> int:
+    """Tokens of what no cut ever leaves out: every system message and the current turn."""
+    first = 1 if messages and is_system(messages[0]) else 0
+    cur = current_start(messages, first)
+    return sum(count(m) for i, m in enumerate(messages) if i >= cur or is_system(m))
+
+
+def last_user_index(messages: Sequence[Message], first: int) -> int | None:
+    """Index of the last user message at or after ``first``, if any."""
     for i in range(len(messages) - 1, first - 1, -1):
         if messages[i].get("role") == "user":
             return i
-    return first
+    return None
 
 
 def with_leading_text(msg: Message, block: str) -> Message:
@@ -136,7 +164,14 @@ def assemble(
     forward whole). ``summary`` stands in for the aged part when the conversation is cut. In
     ``stable`` mode ``previous_start`` (where this conversation's last window began) is kept
     while the window still fits, and a cut goes deeper (to :data:`STABLE_REFILL` of the room),
-    so the forwarded prefix stays byte-identical for many turns between cuts."""
+    so the forwarded prefix stays byte-identical for many turns between cuts.
+
+    Memory never makes the request worse than none: when the system messages and the current
+    turn alone exceed the budget the messages go as sent, without memory (``over_budget``); a
+    cut that would keep nothing of the history while no summary stands for it forwards the
+    conversation whole instead when it fits, leaving the memory block out if it does not fit
+    beside (``memory_dropped``: the caller may offer a smaller one); only a conversation that
+    does not fit at all is cut that far (``history_cut``)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     msgs = list(messages)
@@ -158,42 +193,39 @@ def assemble(
         return held[1] if held is not None and held[0] is msg else count(msg)
 
     cur = current_start(msgs, first)
+    # System messages inside the history (Claude Code's environment) are the client's
+    # instructions, not history: never aged out.
+    history_systems = [i for i in range(first, cur) if is_system(msgs[i])]
+    fixed = sum(sizes[:first]) + sum(sizes[i] for i in history_systems) + sum(sizes[cur:])
+    notes: list[str] = []
+    if budget is not None and fixed > budget:  # nothing Engram could do makes it fit
+        sent = [
+            Part("primacy" if i < first else "recency", "system" if i < first else "sent", i)
+            for i in range(n)
+        ]
+        return Assembly(msgs, sent, False, 0, original, original, first, [OVER_BUDGET])
+    history = any(not is_system(msgs[i]) for i in range(first, cur))
 
     whole = budget is None or original + mem_cost <= whole_share * budget
-    if whole:
-        start = first
-        summary = None
-    else:
+    start = first
+    if not whole:
         assert budget is not None
-        fixed = sum(sizes[:first]) + mem_cost + sum(sizes[cur:])
-        sum_cost = count_text(summary_text(summary)) + 4 if summary else 0
-        room = budget - fixed - sum_cost
-        if (
-            mode == "stable"
-            and previous_start is not None
-            and first < previous_start <= cur
-            and sum(sizes[previous_start:cur]) <= room
-        ):
-            start = previous_start  # the window still fits where it started: the prefix holds
-        else:
-            if mode == "stable":
-                room = int(room * STABLE_REFILL)  # cut deeper, so later turns fit without a move
-            start = cur
-            for a, b in reversed(units(msgs, first, cur)):
-                cost = sum(sizes[a:b])
-                if cost > room:
-                    break
-                room -= cost
-                start = a
-        # The first message after the system message must be a user turn unless the summary
-        # (a user message) opens the zone; an orphan tool result can never lead.
-        while start < cur and (
-            msgs[start].get("role") in ("tool", "function")
-            or (not summary and msgs[start].get("role") != "user")
-        ):
-            start = next(b for a, b in units(msgs, start, cur) if a == start)
-        if start == first:  # everything fitted after all: no summary needed
-            summary = None
+        start = _window_start(
+            msgs, sizes, first, cur, history_systems, budget - fixed - mem_cost,
+            count_text, summary, mode, previous_start,
+        )  # fmt: skip
+        kept_history = any(not is_system(msgs[i]) for i in range(start, cur))
+        if history and not kept_history and not summary:
+            # Nothing of the history would be left and nothing stands for it.
+            if original + mem_cost <= budget:
+                whole, start = True, first
+            elif original <= budget:
+                whole, start, memory_block, mem_cost = True, first, "", 0
+                notes.append(MEMORY_DROPPED)
+            else:
+                notes.append(HISTORY_CUT)
+    if whole or start == first:  # nothing aged (or everything fitted after all): no summary
+        summary = None
 
     out: list[Message] = []
     parts: list[Part] = []
@@ -209,19 +241,24 @@ def assemble(
         out.append(known({"role": "system", "content": memory_block}, mem_cost))
         parts.append(Part("primacy", "memory", None, tuple(memory_ids)))
 
+    kept = [i for i in history_systems if i < start]
+    kept += range(start, n)
     window: list[tuple[Message, str, int | None]] = [
-        (msgs[i], "recent" if i < cur else "current", i) for i in range(start, n)
+        (msgs[i], "system" if is_system(msgs[i]) else "recent" if i < cur else "current", i)
+        for i in kept
     ]
     if summary:
         block = summary_text(summary)
-        if window and window[0][0].get("role") == "user":
-            msg, label, index = window[0]
-            window[0] = (with_leading_text(msg, block), "summary+" + label, index)
+        w = next((k for k, (m, _, _) in enumerate(window) if not is_system(m)), len(window))
+        if w < len(window) and window[w][0].get("role") == "user":
+            msg, label, index = window[w]
+            window[w] = (with_leading_text(msg, block), "summary+" + label, index)
         else:
-            window.insert(0, ({"role": "user", "content": block}, "summary", None))
+            window.insert(w, ({"role": "user", "content": block}, "summary", None))
     if memory_block and mode == "stable":
-        k = next((w for w, (_, _, index) in enumerate(window) if index == cur), None)
-        if k is not None and msgs[cur].get("role") == "user":
+        target = last_user_index(msgs, cur)
+        k = next((w for w, (_, _, index) in enumerate(window) if index == target), None)
+        if k is not None and target is not None:
             msg, label, index = window[k]
             joined = known(with_leading_text(msg, memory_block), count(msg) + mem_cost)
             window[k] = (joined, "memory+" + label, index)
@@ -234,4 +271,53 @@ def assemble(
         parts.append(Part("recency", label, index, refs))
         out.append(msg)
     tokens = sum(cost_of(m) for m in out)
-    return Assembly(out, parts, not whole and start > first, start - first, tokens, original, start)
+    aged = sum(1 for i in range(first, start) if not is_system(msgs[i]))
+    return Assembly(out, parts, not whole and start > first, aged, tokens, original, start, notes)
+
+
+def _window_start(
+    msgs: Sequence[Message],
+    sizes: Sequence[int],
+    first: int,
+    cur: int,
+    systems: Sequence[int],
+    room: int,
+    count_text: Callable[[str], int],
+    summary: str | None,
+    mode: str,
+    previous_start: int | None,
+) -> int:
+    """Where the recent window begins: as many whole units before the current turn as fit in
+    ``room`` (less the summary), never opening on a tool result, nor on anything but a user
+    message unless the summary (a user message) opens the zone."""
+    if summary:
+        room -= count_text(summary_text(summary)) + 4
+    skip = set(systems)  # already counted in the fixed part
+
+    def cost(a: int, b: int) -> int:
+        return sum(sizes[i] for i in range(a, b) if i not in skip)
+
+    if (
+        mode == "stable"
+        and previous_start is not None
+        and first < previous_start <= cur
+        and cost(previous_start, cur) <= room
+    ):
+        start = previous_start  # the window still fits where it started: the prefix holds
+    else:
+        if mode == "stable":
+            room = int(room * STABLE_REFILL)  # cut deeper, so later turns fit without a move
+        start = cur
+        for a, b in reversed(units(msgs, first, cur)):
+            c = cost(a, b)
+            if c > room:
+                break
+            room -= c
+            start = a
+    while start < cur and (
+        msgs[start].get("role") in ("tool", "function")
+        or is_system(msgs[start])
+        or (not summary and msgs[start].get("role") != "user")
+    ):
+        start = next(b for a, b in units(msgs, start, cur) if a == start)
+    return start

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.cache import LRU
-from proxy.chat.api import Conversation, Message
+from proxy.chat.api import Conversation, Message, rendered_parts
 from proxy.chat.responses_expand import ResponsesDialect
 from proxy.chat.responses_items import encode_input, item_kind, neutral_messages
 from proxy.chat.responses_reply import StreamReader, WholeReader
@@ -69,6 +69,7 @@ class OpenAIResponses:
             reply_tokens=reserve if valid_reserve else None,
             hints=self.hints(clean),
             partial=bool(body.get("previous_response_id")),
+            rendered=rendered_parts(body),
         )
 
     def hints(self, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from proxy.background.summarizer import Summarizer
 from proxy.cache import LRU, SizedLRU
 from proxy.chat.fence import Recalled, block_tag, memory_block
-from proxy.chat.prompt import Assembly, Message, assemble
+from proxy.chat.prompt import (
+    HISTORY_CUT,
+    MEMORY_DROPPED,
+    OVER_BUDGET,
+    Assembly,
+    Message,
+    assemble,
+    fixed_tokens,
+)
 from proxy.chat.recall import Recall
 from proxy.chat.turn import MemoryTurn
 from proxy.config import Settings
@@ -43,6 +52,7 @@ PROMPT_SAFETY = 0.05  # share of the budget left unused: token estimates err by 
 SIZE_CACHE = 50_000
 WINDOWS = 100_000  # sessions whose last window start is remembered
 MESSAGE_OVERHEAD = 300  # bytes a message dict holds besides its text
+BLOCK_SLACK = 16  # tokens left beside a memory block made to fit what the history leaves
 
 
 def prompt_size(entry: tuple[float, Assembly]) -> int:
@@ -91,11 +101,16 @@ class Rewriter:
         reply_tokens: int | None,
         recall: bool,
         context_size: int | None = None,
+        rendered: Sequence[Any] = (),
     ) -> None:
         """Recall memories for what the window does not hold, then assemble the prompt.
-        ``context_size``: the context the request itself sets (Ollama's ``num_ctx``), if any."""
+        ``context_size``: the context the request itself sets (Ollama's ``num_ctx``), if any;
+        ``rendered``: what else of the body the upstream renders into the prompt (tools)."""
         s = self.settings
-        budget = mt.budget = await self.budget(reply_tokens, mt.model, context_size)
+        budget = await self.budget(reply_tokens, mt.model, context_size)
+        if budget is not None and rendered:
+            budget = max(0, budget - self.rendered_tokens(rendered, mt.model))
+        mt.budget = budget
         sizes = await self.message_sizes(mt)
         model = mt.model
         view = mt.view = await self.slot_view(mt)
@@ -116,6 +131,16 @@ class Rewriter:
                 else round(self.tokens.messages([msg]) * self.tokens.factor(model))
             )
 
+        fixed = fixed_tokens(view, count)
+        if budget is not None and fixed > budget:
+            # The system prompt, tools and current turn alone overflow: the request goes as
+            # the client sent it, without memories (nothing Engram adds or cuts would help).
+            mt.assembly = assemble(view, budget=budget, count=count, count_text=count_text)
+            mt.memory_note = OVER_BUDGET
+            mt.view = mt.messages
+            mt.slot_refs = []
+            self._remember(mt, mt.assembly)
+            return
         if budget is not None and mt.placement is not None and self.summarizer is not None:
             sid = mt.placement.session.id
             found = await self.store.read(lambda c: get_summary(c, sid))
@@ -123,7 +148,8 @@ class Rewriter:
         if mt.placement is not None:
             start = self.windows.get(mt.placement.session.id)
             mt.previous_start = start if start is not None and start >= 0 else None
-        mt.memory_room = self.memory_room(budget) if recall else 0
+        room = self.memory_room(budget) if recall else 0
+        mt.memory_room = room if budget is None else max(0, min(room, budget - fixed))
         mem_room = mt.memory_room
         draft = assemble(
             view,
@@ -137,9 +163,15 @@ class Rewriter:
         )
         memories = await self.recall.recall(mt, draft.window_start) if recall else []
         final = self.assemble(mt, memories, budget, count, count_text)
+        if MEMORY_DROPPED in final.notes and budget is not None:
+            # The history fits only without the block: a smaller block in what is left.
+            mt.memory_room = max(0, budget - final.original_tokens - BLOCK_SLACK)
+            final = self.assemble(mt, memories, budget, count, count_text)
         kept = self.recall.not_in(memories, mt.messages[final.window_start :])
         if len(kept) != len(memories):  # the final window holds some: drop them, assemble again
             final = self.assemble(mt, kept, budget, count, count_text)
+        if HISTORY_CUT in final.notes and mt.memory_note is None:
+            mt.memory_note = HISTORY_CUT
         if view is not mt.messages:  # the client's own count, before its outputs became slots
             final.original_tokens = sum(count(m) for m in mt.messages)
         mt.assembly = final
@@ -148,17 +180,33 @@ class Rewriter:
         if final.messages != mt.messages:
             mt.forward_messages = final.messages
             mt.slot_refs = references(final.messages) if mt.slot_refs else []
+        self._remember(mt, final)
+
+    def _remember(self, mt: MemoryTurn, final: Assembly) -> None:
+        """Keep where the window began and what was sent, for the session's next request and
+        the inspector's last-request view."""
         if mt.placement is not None:
             sid = mt.placement.session.id
             self.windows[sid] = final.window_start if final.rewritten else -1
             self.last_requests[sid] = (time.time(), final)
 
+    def rendered_tokens(self, rendered: Sequence[Any], model: str | None) -> int:
+        """Tokens the upstream spends on ``rendered`` (tool definitions, as JSON), remembered by
+        their hash: clients send the same tools on every request."""
+        text = json.dumps(rendered, ensure_ascii=False, separators=(", ", ": "))
+        key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+        n = self._raw_counts.get(key)
+        if n is None:
+            n = self.tokens.raw(text)
+            self._raw_counts[key] = n
+        return round(n * self.tokens.factor(model))
+
     async def budget(
         self, reply_tokens: int | None, model: str | None, context_size: int | None = None
     ) -> int | None:
         """Prompt tokens available: the context size (the request's own, else the upstream's)
-        minus the room kept for the reply (what the client asked for, else
-        ``prompt.reply_reserve`` up to a quarter of the context)."""
+        minus the room kept for the reply: what the client asked for (``max_tokens``…), else
+        ``prompt.reply_reserve``, and never more than ``prompt.reply_share`` of the context."""
         ctx = context_size
         if ctx is None:
             if self.context_size is None:
@@ -170,7 +218,8 @@ class Rewriter:
                 return None
         if not ctx:
             return None
-        reserve = reply_tokens or min(self.settings.prompt.reply_reserve, ctx // 4)
+        p = self.settings.prompt
+        reserve = min(reply_tokens or p.reply_reserve, int(ctx * p.reply_share))
         # Counts are estimates (another tokenizer, corrected on average): keep a safety share.
         return max(0, int((ctx - reserve) * (1 - PROMPT_SAFETY)) - PROMPT_MARGIN)
 

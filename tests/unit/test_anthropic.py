@@ -129,8 +129,9 @@ def test_the_neutral_shape_of_an_agent_conversation() -> None:
     ]
     # Claude Code's own metadata.user_id names an installation, not a user or a conversation.
     assert conv.hints == {}
-    # max_tokens is a required ceiling: Claude Code's 32,000 is not kept free for the reply.
-    assert parse({**agent_body(), "max_tokens": 32000}).reply_tokens == 4096
+    # max_tokens is a required ceiling: the budget caps what it keeps free for the reply
+    # (prompt.reply_share), as on every API; the adapter reports what was asked.
+    assert parse({**agent_body(), "max_tokens": 32000}).reply_tokens == 32000
 
 
 def test_tool_results_come_before_the_users_text_whatever_their_order() -> None:

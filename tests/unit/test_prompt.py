@@ -215,3 +215,72 @@ def test_stable_mode_keeps_the_window_start_between_cuts() -> None:
     # Most turns extend the previous prompt byte for byte: the window moves only at cuts.
     extended = sum(b.startswith(a[:-1]) for a, b in itertools.pairwise(prefixes))
     assert extended >= 0.7 * (len(prefixes) - 1)
+
+
+# --- memory never makes a request worse than none (issue 22) -----------------------------------
+
+
+def chat(*pairs: tuple[str, str]) -> list[Message]:
+    return [{"role": role, "content": text} for role, text in pairs]
+
+
+def test_the_current_turn_is_everything_after_the_last_reply() -> None:
+    # Codex sends its environment block and the question as two user items; opencode's title
+    # request sends its instruction and the quoted message as two user messages.
+    msgs = chat(
+        ("system", "S"),
+        ("user", "old question " * 50),
+        ("assistant", "old answer " * 50),
+        ("user", "<environment_context><cwd>/new</cwd></environment_context>"),
+        ("user", "where am I?"),
+    )
+    out = assemble(msgs, budget=40, count=count, count_text=tok)
+    assert out.messages == [msgs[0], msgs[3], msgs[4]]
+    assert [p.source for p in out.parts] == ["system", "current", "current"]
+
+
+def test_system_messages_inside_the_history_are_never_aged_out() -> None:
+    # Claude Code sends its environment as a role "system" message after the first user turn.
+    msgs = chat(
+        ("system", "S"),
+        ("user", "q1 " * 100),
+        ("system", "# Environment: cwd /work"),
+        ("assistant", "a1 " * 100),
+        ("user", "q2"),
+    )
+    out = assemble(msgs, budget=60, count=count, count_text=tok, summary="q1 was asked")
+    assert out.rewritten
+    assert msgs[2] in out.messages and msgs[1] not in out.messages
+    assert content_text(out.messages[-1]["content"]).endswith("q2")  # the summary leads it
+
+
+def test_a_request_whose_fixed_part_overflows_goes_as_sent() -> None:
+    msgs = chat(("system", "S " * 400), ("user", "q1"), ("assistant", "a1"), ("user", "q2"))
+    out = assemble(msgs, budget=100, count=count, count_text=tok, memory_block="MEM " * 10)
+    assert out.messages == msgs and out.notes == ["over-budget"] and not out.rewritten
+
+
+def test_the_history_is_never_cut_to_nothing_when_it_fits_without_memory() -> None:
+    history = chat(("user", "q1 " * 40), ("assistant", "a1 " * 40))
+    msgs = [{"role": "system", "content": "S"}, *history, {"role": "user", "content": "q2"}]
+    original = sum(count(m) for m in msgs)
+    memory = "MEM " * 200  # the block alone would push the history out
+    out = assemble(msgs, budget=original + 5, count=count, count_text=tok, memory_block=memory)
+    assert out.messages == msgs  # whole, without the block
+    assert out.notes == ["memory-dropped"]
+    # A block that fits beside the whole conversation goes with it.
+    small = "MEM"
+    out = assemble(msgs, budget=original + 20, count=count, count_text=tok, memory_block=small)
+    assert out.messages[1:] == msgs[1:] and small in out.messages[0]["content"]
+    assert out.notes == []
+    # With a summary standing for the history the cut is as before.
+    out = assemble(
+        msgs, budget=original + 5, count=count, count_text=tok, memory_block=small, summary="s"
+    )
+    assert out.rewritten and out.notes == []
+
+
+def test_a_conversation_too_big_even_without_memory_is_cut_and_says_so() -> None:
+    msgs = chat(("system", "S"), ("user", "q1 " * 400), ("assistant", "a1"), ("user", "q2"))
+    out = assemble(msgs, budget=60, count=count, count_text=tok)
+    assert out.messages == [msgs[0], msgs[-1]] and out.notes == ["history-cut"]
