@@ -55,7 +55,11 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
     )
     if settings.server.cors_origins:
         app.on_response_prepare.append(
-            guard.cors_hook(guard.normalise_origins(settings.server.cors_origins))
+            guard.cors_hook(
+                guard.normalise_origins(settings.server.cors_origins),
+                memory_enabled=settings.memory.enabled,
+                adds_credential=_adds_credential(settings),
+            )
         )
 
     async def running(app: web.Application) -> AsyncIterator[None]:
@@ -82,12 +86,14 @@ def _middleware(
     settings: Settings, apis: list[ChatAPI]
 ) -> Callable[..., Awaitable[web.StreamResponse]]:
     """The one middleware: the Host allow-list (DNS-rebinding protection), no cross-site
-    writes and JSON-only bodies (:mod:`proxy.guard`), CORS preflight, every failure turned into
-    OpenAI's error shape, and the access log line."""
+    writes and JSON-only bodies (:mod:`proxy.guard`), the CORS preflights Engram answers itself
+    (those it forwards are asked for no key), every failure turned into OpenAI's error shape, and
+    the access log line."""
     server = settings.server
     allowed = _allowed_hosts(settings)
     shape_of = _error_shapes(apis)
     origins = guard.normalise_origins(server.cors_origins)
+    memory_on, borrows = settings.memory.enabled, _adds_credential(settings)
     too_large = PayloadTooLarge(
         f"Request body too large: Engram accepts at most {server.max_body_bytes} bytes "
         "(setting server.max_body_bytes)."
@@ -99,11 +105,16 @@ def _middleware(
         status = 500
         try:
             check_host(request.headers.get("Host"), allowed)
-            guard.check(request, origins)
-            if guard.preflight_origin(request, origins):
+            guard.check(request, origins, memory_enabled=memory_on, adds_credential=borrows)
+            if guard.preflight_origin(
+                request, origins, memory_enabled=memory_on, adds_credential=borrows
+            ):
                 resp: web.StreamResponse = web.Response(status=204)
             else:
-                await _authenticate(request)
+                if not guard.is_forwarded_preflight(
+                    request, memory_enabled=memory_on, adds_credential=borrows
+                ):
+                    await _authenticate(request)
                 resp = await handler(request)
             status = resp.status
             return resp
@@ -139,6 +150,11 @@ def _middleware(
                 )
 
     return middleware
+
+
+def _adds_credential(settings: Settings) -> bool:
+    """Whether Engram sends the upstream a credential of its own (:func:`guard.adds_credential`)."""
+    return guard.adds_credential(settings.upstream.api_key, settings.auth.mode)
 
 
 def _error_shapes(apis: list[ChatAPI]) -> Callable[[str], ErrorShape | None]:
@@ -222,7 +238,9 @@ def _chat_handler(name: str) -> Handler:
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
-    """Any method and path Engram does not own: forwarded and relayed unchanged."""
+    """Any method and path Engram does not own: forwarded and relayed unchanged. The upstream's
+    CORS headers are kept where Engram is transparent (:func:`proxy.guard.transparent`: CORS
+    preflights come here too) or grants CORS itself."""
     services = request.app[SERVICES]
     settings = services.settings
     body = await read_body(request, settings.server.max_body_bytes)
@@ -230,7 +248,12 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     up = await upstream.send(
         request.method, request.raw_path, forward_headers(request.headers), body
     )
-    resp, _ = await relay(request, up, keep_cors=bool(settings.server.cors_origins))
+    keep_cors = bool(settings.server.cors_origins) or guard.transparent(
+        request.path,
+        memory_enabled=settings.memory.enabled,
+        adds_credential=_adds_credential(settings),
+    )
+    resp, _ = await relay(request, up, keep_cors=keep_cors)
     return resp
 
 

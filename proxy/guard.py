@@ -1,29 +1,46 @@
-"""No cross-site writes: which requests a web page on another origin may make, and JSON-only bodies.
+"""Which requests a web page on another origin may make, where Engram leaves CORS to the
+upstream, and JSON-only bodies.
 
 A browser lets any page send "simple" requests anywhere (``text/plain``, form or multipart bodies,
 no preflight), and a page on ``http://127.0.0.1:9999`` reaching Engram on ``127.0.0.1:8787`` even
-passes the Host check. So, before any handler runs (:func:`check`):
+passes the Host check. So, before any handler runs (:func:`check`), after the Host allow-list
+(DNS-rebinding protection, ``proxy.app``), which every request meets:
 
 - **Origin.** A request is *foreign* when the browser says so: ``Sec-Fetch-Site`` other than
   ``same-origin`` or ``none`` (``same-site`` too: another port on the same host is same-site), or,
   from browsers that do not send that header, an ``Origin`` that is not Engram's own (``null``,
   from sandboxed frames and ``file://`` pages, included). Clients that are not browsers (curl, the
-  SDKs) send neither header and are not affected. A foreign request is refused (403) unless its
-  origin is listed in ``server.cors_origins`` — for every method but GET and HEAD (and those too
-  when they ask for a WebSocket), on every route: chat, the admin API and pass-through alike.
+  SDKs) send neither header and are not affected.
+- **Transparent where nothing is protected.** A request is *memory-free* when its path is a
+  pass-through route (neither a chat route, :data:`CHAT_PATHS`, nor under ``/engram``), or a chat
+  route while memory is disabled for the whole server (``memory.enabled = false``). On a
+  memory-free route Engram does not judge origins, provided it adds no credential of its own to
+  what the client sent — that is, unless ``upstream.api_key`` is set with ``auth.mode = "none"``
+  (a page would borrow that key; with ``auth.mode = "keys"`` a page has no Engram key and gets a
+  401 anyway): CORS preflights (``OPTIONS`` with ``Access-Control-Request-Method``) go to the
+  upstream and its answer comes back as it is, cross-site requests go through, and the
+  upstream's ``Access-Control-*`` headers are relayed unchanged; Engram adds none
+  (:func:`transparent`). A preflight sent on is asked for no Engram key, since a browser sends
+  none with it (:func:`forwards_preflight`); the request that follows is.
+- **Guarded routes: no cross-site writes.** Everywhere else — chat routes while memory is on,
+  Engram's own routes, and every route when Engram adds a credential — a foreign request is
+  refused (403) unless its origin is listed in ``server.cors_origins``, for every method but GET
+  and HEAD (and those too when they ask for a WebSocket).
 - **Engram's own routes** (``/engram/...``) answer only their own origin: the admin API
   (``/engram/api``) to no other origin with any method, configured or not, and the rest (health,
   metrics, the inspector page) to GET and HEAD only. They never carry CORS headers.
-- **JSON only.** A body sent to a chat route or to the admin API must be
-  ``application/json`` (or ``application/*+json``): a page cannot send that without a CORS
-  preflight, which only configured origins pass. Anything else is a 415. Pass-through routes keep
-  accepting any body (multipart audio uploads) from non-browser clients and their own origin.
-- **CORS.** Preflights are answered, and CORS headers added, only for configured origins and only
-  on the routes passed to the upstream or the chat pipeline; an upstream's own CORS headers never
-  reach another origin.
+- **JSON only.** A body sent to a chat route or to the admin API must be ``application/json``
+  (or ``application/*+json``), from anyone, memory on or off: a page cannot send that without a
+  CORS preflight. Anything else is a 415. Pass-through routes accept any body (multipart audio
+  uploads).
+- **CORS on guarded routes.** Engram answers preflights itself (204), and adds CORS headers, only
+  for configured origins and only on the chat and pass-through routes; there, an upstream's own
+  CORS headers never reach an origin that is not configured.
 
-The decisions are pure functions of the method, the path and a few header values; :func:`check`
-and :func:`cors_hook` are the thin aiohttp edges.
+The decisions are pure functions of the method, the path, the header values and two facts about
+the server (memory enabled; Engram adds a credential, :func:`adds_credential`); :func:`check`,
+:func:`preflight_origin`, :func:`is_forwarded_preflight` and :func:`cors_hook` are the thin
+aiohttp edges.
 """
 
 from __future__ import annotations
@@ -38,8 +55,16 @@ from aiohttp import web
 from proxy.errors import EngramError, Forbidden
 
 # The chat APIs of the request path (DESIGN.md): JSON APIs, whose bodies Engram may archive.
+# Every path a chat adapter serves (proxy.chat.apis; a test keeps the two the same).
 CHAT_PATHS = frozenset(
-    {"/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/responses", "/api/chat"}
+    {
+        "/v1/chat/completions",
+        "/chat/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/responses",
+        "/api/chat",
+    }
 )
 ADMIN_PREFIX = "/engram/api"
 ENGRAM_PREFIX = "/engram"
@@ -76,6 +101,32 @@ def is_admin_path(path: str) -> bool:
 
 def is_engram_path(path: str) -> bool:
     return path == ENGRAM_PREFIX or path.startswith(ENGRAM_PREFIX + "/")
+
+
+def memory_free(path: str, memory_enabled: bool) -> bool:
+    """Whether nothing Engram protects lies behind ``path``: a pass-through route (neither a chat
+    route nor under ``/engram``), or a chat route while memory is disabled for the whole server."""
+    if is_engram_path(path):
+        return False
+    return path not in CHAT_PATHS or not memory_enabled
+
+
+def adds_credential(api_key: str, auth_mode: str) -> bool:
+    """Whether Engram sends the upstream a credential the client need not have: an
+    ``upstream.api_key`` with no accounts (``auth.mode = "none"``). With accounts, a request
+    shows one of Engram's keys first, which a page does not have."""
+    return bool(api_key) and auth_mode == "none"
+
+
+def transparent(path: str, *, memory_enabled: bool, adds_credential: bool) -> bool:
+    """Whether Engram leaves origins and CORS on this path to the upstream: the path is
+    memory-free and no credential of Engram's own goes with the request."""
+    return not adds_credential and memory_free(path, memory_enabled)
+
+
+def is_preflight(method: str, headers: Mapping[str, str]) -> bool:
+    """A CORS preflight: ``OPTIONS`` with ``Access-Control-Request-Method``."""
+    return method == "OPTIONS" and "Access-Control-Request-Method" in headers
 
 
 def is_json_media_type(content_type: str) -> bool:
@@ -167,8 +218,9 @@ def source(
 def cross_site_error(
     method: str, path: str, src: Source, origin: str | None, upgrade: bool = False
 ) -> Forbidden | None:
-    """The 403 for a request another web page may not make; None when it may go on.
-    ``upgrade``: the request asks to switch protocols (a WebSocket, which CORS never guards)."""
+    """The 403 for a request another web page may not make on a guarded path (one that is not
+    :func:`transparent`); None when it may go on. ``upgrade``: the request asks to switch
+    protocols (a WebSocket, which CORS never guards)."""
     if src is Source.OWN:
         return None
     shown = origin if origin is not None else "another site"
@@ -192,8 +244,66 @@ def cross_site_error(
     )
 
 
+def request_error(
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    configured: Collection[str],
+    *,
+    has_body: bool,
+    memory_enabled: bool,
+    adds_credential: bool,
+) -> EngramError | None:
+    """The 403 or 415 a request gets; None when it may go on. ``headers``: the request's, looked
+    up case-insensitively (aiohttp's); ``configured``: :func:`normalise_origins` of
+    ``server.cors_origins``. On a :func:`transparent` path only the JSON-only rule applies."""
+    if not transparent(path, memory_enabled=memory_enabled, adds_credential=adds_credential):
+        origin = headers.get("Origin")
+        src = source(origin, headers.get("Sec-Fetch-Site"), headers.get("Host"), configured)
+        refused = cross_site_error(method, path, src, origin, "Upgrade" in headers)
+        if refused is not None:
+            return refused
+    return media_type_error(method, path, headers.get("Content-Type"), has_body)
+
+
+def own_preflight(
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    configured: Collection[str],
+    *,
+    memory_enabled: bool,
+    adds_credential: bool,
+) -> str | None:
+    """The configured origin of a CORS preflight that Engram answers itself, else None (not a
+    preflight; a transparent path, whose preflights the upstream answers; no configured origin)."""
+    if not is_preflight(method, headers) or transparent(
+        path, memory_enabled=memory_enabled, adds_credential=adds_credential
+    ):
+        return None
+    return cors_origin(path, headers.get("Origin"), configured)
+
+
+def forwards_preflight(
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    *,
+    memory_enabled: bool,
+    adds_credential: bool,
+) -> bool:
+    """Whether this is a CORS preflight that goes to the upstream (on a transparent path). A
+    browser never sends credentials with a preflight, so Engram asks it for none (with
+    ``auth.mode = "keys"`` too, as for the preflights Engram answers itself); the request that
+    follows needs its key as any other."""
+    return is_preflight(method, headers) and transparent(
+        path, memory_enabled=memory_enabled, adds_credential=adds_credential
+    )
+
+
 def cors_origin(path: str, origin: str | None, configured: Collection[str]) -> str | None:
-    """The origin to grant CORS to: a configured one, never on Engram's own routes."""
+    """The origin Engram grants CORS to on a guarded path: a configured one, never on Engram's
+    own routes."""
     if origin is None or not configured or is_engram_path(path):
         return None
     low = origin.strip().lower()
@@ -210,35 +320,62 @@ def normalise_origins(origins: Collection[str]) -> frozenset[str]:
 # --- aiohttp edges ------------------------------------------------------------------------------
 
 
-def check(request: web.Request, configured: frozenset[str]) -> None:
+def check(
+    request: web.Request, configured: frozenset[str], *, memory_enabled: bool, adds_credential: bool
+) -> None:
     """Raise the 403 or 415 this request gets, if any (called by the one middleware)."""
-    headers: Mapping[str, str] = request.headers
-    origin = headers.get("Origin")
-    src = source(origin, headers.get("Sec-Fetch-Site"), headers.get("Host"), configured)
-    upgrade = "Upgrade" in headers
-    error: EngramError | None = cross_site_error(request.method, request.path, src, origin, upgrade)
-    if error is None:
-        error = media_type_error(
-            request.method, request.path, headers.get("Content-Type"), request.body_exists
-        )
+    error = request_error(
+        request.method,
+        request.path,
+        request.headers,
+        configured,
+        has_body=request.body_exists,
+        memory_enabled=memory_enabled,
+        adds_credential=adds_credential,
+    )
     if error is not None:
         raise error
 
 
-def preflight_origin(request: web.Request, configured: frozenset[str]) -> str | None:
+def preflight_origin(
+    request: web.Request, configured: frozenset[str], *, memory_enabled: bool, adds_credential: bool
+) -> str | None:
     """The configured origin of a CORS preflight Engram answers itself, else None."""
-    if request.method != "OPTIONS" or "Access-Control-Request-Method" not in request.headers:
-        return None
-    return cors_origin(request.path, request.headers.get("Origin"), configured)
+    return own_preflight(
+        request.method,
+        request.path,
+        request.headers,
+        configured,
+        memory_enabled=memory_enabled,
+        adds_credential=adds_credential,
+    )
+
+
+def is_forwarded_preflight(
+    request: web.Request, *, memory_enabled: bool, adds_credential: bool
+) -> bool:
+    """Whether this request is a CORS preflight for the upstream to answer."""
+    return forwards_preflight(
+        request.method,
+        request.path,
+        request.headers,
+        memory_enabled=memory_enabled,
+        adds_credential=adds_credential,
+    )
 
 
 def cors_hook(
-    configured: frozenset[str],
+    configured: frozenset[str], *, memory_enabled: bool, adds_credential: bool
 ) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """An ``on_response_prepare`` hook: CORS headers for configured origins on the proxied
-    routes, and no ``Access-Control-*`` header (the upstream's included) on any other response."""
+    """An ``on_response_prepare`` hook for guarded paths: CORS headers for configured origins on
+    the chat and pass-through routes, and no ``Access-Control-*`` header (the upstream's
+    included) on any other response. Responses on transparent paths are left as they are."""
 
     async def on_prepare(request: web.Request, resp: web.StreamResponse) -> None:
+        if transparent(
+            request.path, memory_enabled=memory_enabled, adds_credential=adds_credential
+        ):
+            return
         origin = cors_origin(request.path, request.headers.get("Origin"), configured)
         if origin is None:
             for name in [k for k in resp.headers if k.lower().startswith("access-control-")]:

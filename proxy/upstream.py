@@ -3,6 +3,15 @@
 Requests are sent with the client's own headers (minus hop-by-hop and Engram's own), no
 automatic headers of aiohttp's, no decompression (bytes are relayed as sent), a connect timeout
 and no total timeout, because generations can take many minutes.
+
+A pooled connection can be dead when a request picks it up: llama-server closes its connection
+about 0.1 ms after every streamed reply while advertising keep-alive, and the next request sent
+on it dies before any byte of an answer ("Server disconnected", or a reset). A request whose
+connection came from the pool and died so is sent once more, with the same method, URL, headers
+and body, on a connection opened for it alone (a second session that pools nothing). Not
+retried: the same death on a connection opened for the request (the upstream failed on it; a
+second try could repeat a crash or a long generation), a failure to connect (nothing listens:
+one fast 502) and anything after the answer's headers arrived (the relay's business).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -22,6 +32,7 @@ from yarl import URL
 
 from proxy.config import UpstreamSettings
 from proxy.errors import BadRequest, UpstreamUnavailable
+from proxy.logs import event
 from proxy.masking import display_url
 
 log = logging.getLogger("engram.upstream")
@@ -45,6 +56,14 @@ HOP_BY_HOP = frozenset(
     }
 )
 _LARGE_BODY = 1 << 20
+_FAILURES = (TimeoutError, aiohttp.ClientConnectionError, OSError)  # no answer: a 502
+# A connection that died under a request: closed or reset by the server, or a failed write.
+_DIED = (
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    ConnectionResetError,
+    BrokenPipeError,
+)
 CONTEXT_RETRY_S = 30.0  # how long an undiscoverable context size is taken as unknown
 # Headers Engram reads and owns: stripped before forwarding.
 ENGRAM_HEADER_PREFIX = "x-engram-"
@@ -170,18 +189,22 @@ class Upstream:
         self._ctx_lock = asyncio.Lock()
         self._urls: dict[str, URL] = {}  # raw path -> upstream URL (building one costs)
         limit = settings.max_connections
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=None, sock_connect=settings.connect_timeout, sock_read=None
+        self.session = _client_session(
+            settings,
+            aiohttp.TCPConnector(limit=limit, limit_per_host=limit, ttl_dns_cache=300),
+            trace=True,
+        )
+        # For a request sent again after its pooled connection died: a new connection each.
+        self._fresh = _client_session(
+            settings,
+            aiohttp.TCPConnector(
+                limit=limit, limit_per_host=limit, ttl_dns_cache=300, force_close=True
             ),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
-            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def close(self) -> None:
         await self.session.close()
+        await self._fresh.close()
 
     async def send(
         self, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None
@@ -197,20 +220,24 @@ class Upstream:
             url = self._urls[raw_path] = join_url(self.base, raw_path)
         if self._replace_key:
             headers = upstream_credentials(headers, self.settings.api_key)
-        # Large bodies go as a stream so aiohttp does not copy them in one blocking write.
-        data: bytes | io.BytesIO | None = body or None
-        if body and len(body) > _LARGE_BODY:
-            data = io.BytesIO(body)
+        attempt = _Attempt()
         try:
-            return await self.session.request(
-                method,
-                url,
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-                compress=None,
-            )
-        except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            try:
+                return await _request(self.session, method, url, headers, body, attempt)
+            except _FAILURES as exc:
+                if not (attempt.reused and died_unanswered(exc)):
+                    raise
+                event(
+                    log,
+                    logging.DEBUG,
+                    "the upstream closed a pooled connection before answering; sending it again "
+                    "on a new connection",
+                    method=method,
+                    path=url.path,
+                    error=describe_connect_error(exc, self.settings.connect_timeout),
+                )
+            return await _request(self._fresh, method, url, headers, body, None)
+        except _FAILURES as exc:
             raise UpstreamUnavailable(
                 "Engram could not reach the upstream model server at "
                 f"{display_url(self.info.url)}: "
@@ -256,6 +283,71 @@ class Upstream:
         if size and not key:
             self.info.context_size = size
         return size
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One request's trace context: whether its connection came from the pool."""
+
+    reused: bool = False
+
+
+async def _on_reuse(
+    session: aiohttp.ClientSession,
+    ctx: SimpleNamespace,
+    params: aiohttp.TraceConnectionReuseconnParams,
+) -> None:
+    if isinstance(ctx.trace_request_ctx, _Attempt):
+        ctx.trace_request_ctx.reused = True
+
+
+def _client_session(
+    settings: UpstreamSettings, connector: aiohttp.TCPConnector, *, trace: bool = False
+) -> aiohttp.ClientSession:
+    traces = []
+    if trace:
+        config = aiohttp.TraceConfig()
+        config.on_connection_reuseconn.append(_on_reuse)
+        traces.append(config)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(
+            total=None, connect=None, sock_connect=settings.connect_timeout, sock_read=None
+        ),
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Content-Type", "Accept", "Accept-Encoding"),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        trace_configs=traces,
+    )
+
+
+async def _request(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: URL,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    attempt: _Attempt | None,
+) -> aiohttp.ClientResponse:
+    # Large bodies go as a stream (a new one each attempt), so aiohttp does not copy them in
+    # one blocking write.
+    data = io.BytesIO(body) if body and len(body) > _LARGE_BODY else body or None
+    return await session.request(
+        method,
+        url,
+        headers=headers,
+        data=data,
+        allow_redirects=False,
+        compress=None,
+        trace_request_ctx=attempt,
+    )
+
+
+def died_unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` says an open connection died under a request before any answer: the
+    server closed or reset it, or writing the request to it failed. Not a failure to connect
+    (nothing listens, a refused or timed-out connect), which a second attempt would only repeat."""
+    return isinstance(exc, _DIED) and not isinstance(exc, aiohttp.ClientConnectorError)
 
 
 def describe_connect_error(exc: BaseException, timeout: float) -> str:

@@ -9,7 +9,11 @@ llama-server (``flavor="llamacpp"``) or Ollama (``flavor="ollama"``) and records
     await fake.stop()
 
 Enqueued replies are one-shot and consumed first-in first-out per path; with the queue empty
-each route answers deterministically (chat replies echo the last user message).
+each route answers deterministically (chat replies echo the last user message). ``DropReply()``
+closes the connection unanswered; ``FakeUpstream(close_after_stream=0.05)`` closes every
+connection that shortly after a streamed reply, reading nothing more on it, as llama-server does;
+``FakeUpstream(cors=True)`` answers CORS as llama-server does (preflights on any path, and the
+request's Origin allowed on every answer).
 
 Standalone, for benchmarks: ``python -m testing.fake_upstream --port 8081 [--flavor ollama]``.
 """
@@ -52,6 +56,7 @@ from testing.fake_responses import PATHS as RESPONSES_PATHS
 from testing.fake_responses import FakeResponses
 
 __all__ = [
+    "DropReply",
     "FakeUpstream",
     "JsonReply",
     "RawReply",
@@ -66,6 +71,12 @@ __all__ = [
 ]
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+# What llama-server answers a CORS preflight with, on any path (besides the Origin granted).
+LLAMACPP_PREFLIGHT = {
+    "Access-Control-Allow-Credentials": "true",
+    "Access-Control-Allow-Methods": "GET, POST",
+    "Access-Control-Allow-Headers": "*",
+}
 MAX_BODY = 256 * 1024 * 1024
 
 
@@ -117,6 +128,12 @@ class StreamReply(Reply):
     headers: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class DropReply(Reply):
+    """Reads the whole request, then closes the connection without sending a byte: a server
+    that dropped the request (or died on it) before answering."""
+
+
 Handler = Callable[[web.Request, bytes], Awaitable[web.StreamResponse]]
 
 
@@ -130,6 +147,8 @@ class FakeUpstream:
         enforce_ctx: bool = False,
         model: str = "fake-model",
         record: bool = True,
+        close_after_stream: float | None = None,
+        cors: bool = False,
     ) -> None:
         if flavor not in ("llamacpp", "ollama"):
             raise ValueError(f"unknown flavor {flavor!r}")
@@ -139,6 +158,12 @@ class FakeUpstream:
         self.enforce_ctx = enforce_ctx  # llamacpp: 400 exceed_context_size_error past n_ctx
         self.model = model
         self.record = record
+        # Like llama-server: after each streamed reply, read nothing more on that connection and
+        # close it this many seconds later, while advertising keep-alive (None: keep it open).
+        self.close_after_stream = close_after_stream
+        # Like llama-server: every answer grants CORS to the request's Origin, and a CORS
+        # preflight on any path is a 200 that allows everything (off: OPTIONS is a 404).
+        self.cors = cors
         self.requests: list[RecordedRequest] = []
         self.disconnects: list[tuple[str, float]] = []
         self.url = ""
@@ -170,6 +195,7 @@ class FakeUpstream:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        app.on_response_prepare.append(self._grant_cors)
         self._runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.25
         )
@@ -207,6 +233,8 @@ class FakeUpstream:
         queue = self._queues.get(request.path)
         if queue:
             return await self._send(request, queue.popleft())
+        if self.cors and request.method == "OPTIONS":
+            return web.Response(body=b"", content_type="text/html", headers=LLAMACPP_PREFLIGHT)
         handler = self._routes.get((request.method, request.path))
         if handler is not None:
             return await handler(request, body)
@@ -215,6 +243,12 @@ class FakeUpstream:
             return web.json_response(static[(request.method, request.path)])
         missing = "File Not Found" if self.flavor == "llamacpp" else "404 page not found"
         return self._error(404, missing, "not_found_error")
+
+    async def _grant_cors(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """llama-server's middleware: ``Access-Control-Allow-Origin`` is the request's Origin."""
+        origin = request.headers.get("Origin")
+        if self.cors and origin is not None:
+            resp.headers["Access-Control-Allow-Origin"] = origin
 
     @contextlib.contextmanager
     def _watch(self, path: str) -> Iterator[None]:
@@ -229,6 +263,10 @@ class FakeUpstream:
     async def _send(self, request: web.Request, reply: Reply) -> web.StreamResponse:
         if isinstance(reply, StreamReply):
             return await self._stream(request, reply)
+        if isinstance(reply, DropReply):
+            if request.transport is not None:
+                request.transport.abort()
+            await asyncio.Event().wait()  # cancelled: the connection is gone
         if isinstance(reply, JsonReply | RawReply) and reply.delay:
             with self._watch(request.path):
                 await asyncio.sleep(reply.delay)
@@ -241,6 +279,8 @@ class FakeUpstream:
 
     async def _stream(self, request: web.Request, reply: StreamReply) -> web.StreamResponse:
         headers = {"Content-Type": reply.content_type, "Cache-Control": "no-cache"}
+        if self.close_after_stream is not None:
+            headers["Keep-Alive"] = "timeout=5, max=100"  # what llama-server says, and breaks
         resp = web.StreamResponse(status=reply.status, headers={**headers, **reply.headers})
         with self._watch(request.path):
             await resp.prepare(request)
@@ -255,7 +295,17 @@ class FakeUpstream:
                     request.transport.abort()
                 return resp
             await resp.write_eof()
+        if self.close_after_stream is not None and request.transport is not None:
+            self._close_later(request.transport, self.close_after_stream)
         return resp
+
+    @staticmethod
+    def _close_later(transport: asyncio.BaseTransport, delay: float) -> None:
+        """Stop reading the connection (a request sent on it is never answered) and close it
+        ``delay`` seconds later: what llama-server does about 0.1 ms after a streamed reply."""
+        if isinstance(transport, asyncio.ReadTransport):
+            transport.pause_reading()
+        asyncio.get_running_loop().call_later(delay, transport.close)
 
     def _error(self, status: int, message: str, type_: str, **extra: int) -> web.Response:
         if self.flavor == "llamacpp":

@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from proxy import guard
 from proxy.auth import ANONYMOUS, PRINCIPAL
 from proxy.chat.api import ChatAPI, ContinuesReplies, ReplyTranslator
 from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
@@ -91,8 +92,14 @@ class ChatPipeline:
         self.counts: Counter[str] = Counter()  # for /engram/metrics
         if memory is not None:
             self.reply_hooks.append(self._learn_tokens)
-        self.keep_cors = bool(settings.server.cors_origins)
         api = self.api
+        # The upstream's CORS headers reach the client where Engram grants CORS itself, or
+        # leaves it to the upstream (memory disabled, no credential of Engram's: proxy.guard).
+        self.keep_cors = bool(settings.server.cors_origins) or guard.transparent(
+            api.paths[0],
+            memory_enabled=settings.memory.enabled,
+            adds_credential=guard.adds_credential(settings.upstream.api_key, settings.auth.mode),
+        )
         self.expander = (
             Expander(
                 settings.slots,

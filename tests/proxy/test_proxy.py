@@ -407,8 +407,17 @@ async def test_no_cors_unless_configured(fake: FakeUpstream, http: aiohttp.Clien
     fake.enqueue(RawReply(b"{}", headers={"Access-Control-Allow-Origin": "*"}), path="/v1/models")
     engram = await start_engram(fake.url)
     try:
+        # A pass-through route: the upstream's own CORS headers, as sent, and none of Engram's
+        # (tests/proxy/test_cross_site.py has the whole rule).
         async with http.get(engram.url + "/v1/models", headers={"Origin": "http://a.b"}) as r:
-            assert "Access-Control-Allow-Origin" not in r.headers
+            assert r.headers.getall("Access-Control-Allow-Origin") == ["*"]
+        async with http.post(
+            engram.url + "/v1/chat/completions",
+            json={"messages": MSGS},
+            headers={"Origin": "http://a.b"},
+        ) as r:
+            assert r.status == 403
+            assert not [h for h in r.headers if h.lower().startswith("access-control-")]
     finally:
         await engram.close()
     engram = await start_engram(fake.url, server={"cors_origins": ["http://a.b"]})
