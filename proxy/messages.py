@@ -129,3 +129,23 @@ def last_user_text(messages: Sequence[Mapping[str, Any]]) -> str:
         if msg.get("role") == "user":
             return content_text(msg.get("content")).strip()
     return ""
+
+
+def current_turn_start(messages: Sequence[Mapping[str, Any]], first: int | None = None) -> int:
+    """Index where the current turn starts: everything after the last assistant message that
+    precedes the last user message. A client may send several messages at once (an environment
+    block, then the question), and an agent loop's calls and results after the user message
+    belong to its turn. ``first``: where the conversation starts (after a leading system
+    message, by default)."""
+    if first is None:
+        first = 1 if messages and messages[0].get("role") in ("system", "developer") else 0
+    after_reply = first
+    last_user: int | None = None
+    for i in range(len(messages) - 1, first - 1, -1):
+        role = messages[i].get("role")
+        if role == "user" and last_user is None:
+            last_user = i
+        if role == "assistant" and last_user is not None:
+            after_reply = i + 1
+            break
+    return min(after_reply, last_user) if last_user is not None else after_reply

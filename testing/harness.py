@@ -22,6 +22,8 @@ from proxy.app import create_app
 from proxy.chat.turn import ChatTurn
 from proxy.config import Settings, load_settings
 from proxy.services import SERVICES
+from proxy.store import queries
+from proxy.store.models import Turn
 
 # The embedding model comes from PyPI packages; never ask a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,3 +92,11 @@ async def settle(engram: Engram, timeout: float = 10.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("background work did not finish")
+
+
+async def turns_as_sent(engram: Engram, session_id: str) -> list[Turn]:
+    """A session's turns with their text as the client sent it (the scaffolding that is stored
+    once per user put back, :mod:`proxy.store.scaffolds`): what archiving must not lose."""
+    store = engram.app[SERVICES].store
+    assert store is not None, "memory is off"
+    return await store.read(lambda c: queries.session_turns(c, session_id, as_sent=True))

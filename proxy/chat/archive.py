@@ -4,7 +4,10 @@ of the reply, written in one transaction once the reply is whole, before the cli
 Only the rows are written there (``fts_pending``; about a third of a millisecond): the next
 request of the conversation, however fast it follows, finds them, and a turn the client received
 survives a crash of Engram. Full-text rows and vectors follow in the background
-(:mod:`proxy.background.indexer`). Secrets are redacted before anything is written. A message
+(:mod:`proxy.background.indexer`). Secrets are redacted before anything is written. What a
+client sends again and again (system prompts, reminder and environment blocks, retries) is cut
+out of a turn's text and stored once per user (:mod:`proxy.scaffold`,
+:mod:`proxy.store.scaffolds`): a turn holds the words. A message
 longer than ``limits.max_message_bytes`` is stored cut there, with a note; a user over
 ``limits.max_turns_per_user`` gets no new turns (:mod:`proxy.chat.quota`).
 """
@@ -15,9 +18,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+from proxy import scaffold
 from proxy.background.indexer import Indexer
 from proxy.chat.quota import TurnQuota
 from proxy.chat.sessions import commit_turns
@@ -26,6 +30,7 @@ from proxy.limits import cut_text
 from proxy.logs import event
 from proxy.messages import content_text, extend_chain, without_lone_surrogates
 from proxy.redact import redact
+from proxy.store import scaffolds
 from proxy.store.models import NewTurn, embed_text, text_hash
 from proxy.store.store import Store
 from proxy.tokens import estimate
@@ -46,36 +51,62 @@ def to_new_turns(
     incomplete: bool = False,
     max_bytes: int = 0,
     api: str | None = None,
+    texts: Sequence[str] | None = None,
+    known: Collection[str] = (),
 ) -> list[NewTurn]:
     """Archive rows for ``messages`` (already known new), positions from ``first``; a text
-    longer than ``max_bytes`` (UTF-8; 0: any length) is stored cut, with a note."""
+    longer than ``max_bytes`` (UTF-8; 0: any length) is stored cut, with a note. Each row holds
+    the message's words; its scaffolding (:mod:`proxy.scaffold`) goes with it as pieces, a user's
+    long paragraph whose hash is in ``known`` among them. ``texts``: the messages' texts as
+    :func:`archive_texts` made them, when the caller has them already."""
+    if texts is None:
+        texts = archive_texts(messages, redact_secrets, max_bytes)
+    is_known = known.__contains__ if known else None
     out: list[NewTurn] = []
-    for i, (msg, chain) in enumerate(zip(messages, chains, strict=True)):
-        text = cut_text(
-            content_text(msg.get("content")), max_bytes, redact if redact_secrets else None
-        )
+    for i, (msg, chain, text) in enumerate(zip(messages, chains, texts, strict=True)):
         calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
         if redact_secrets and calls:
             calls = [_redact_call(c) for c in calls]
         name = msg.get("name") if isinstance(msg.get("name"), str) else None
         call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
         role = str(msg.get("role"))
+        words, pieces, sightings = scaffold.archived(role, text, is_known)
         out.append(
             NewTurn(
                 position=first + i,
                 role=role,
-                content=text,
+                content=words,
                 speaker=name,
                 tool_calls=calls,
                 tool_call_id=call_id,
                 timestamp=now,
-                token_count=max(1, estimate(text)),
+                token_count=max(1, estimate(words)),
                 incomplete=incomplete,
                 content_hash=chain,
-                embed_hash=text_hash(embed_text(role, name, text)),
+                embed_hash=text_hash(embed_text(role, name, words)),
                 api=api,
+                scaffold=pieces,
+                sightings=sightings,
             )
         )
+    return out
+
+
+def archive_texts(
+    messages: Sequence[Mapping[str, Any]], redact_secrets: bool, max_bytes: int
+) -> list[str]:
+    """Each message's text as it is archived: redacted, and cut past ``max_bytes``."""
+    clean = redact if redact_secrets else None
+    return [cut_text(content_text(m.get("content")), max_bytes, clean) for m in messages]
+
+
+def repeat_candidates(messages: Sequence[Mapping[str, Any]], texts: Sequence[str]) -> list[str]:
+    """Hashes of the long paragraphs of the user messages' words (by shape): the ones to look
+    up, since one the user sent in another session is scaffolding."""
+    out: list[str] = []
+    for msg, text in zip(messages, texts, strict=True):
+        if msg.get("role") == "user" and len(text) >= scaffold.REPEAT_MIN:
+            out += scaffold.long_paragraphs(scaffold.split("user", text).words)
     return out
 
 
@@ -112,6 +143,21 @@ class Archive:
         assert placement is not None
         first = placement.matched
         new = mt.messages[first:]
+        chars = sum(len(content_text(m.get("content"))) for m in new)
+        big = chars > THREAD_CHARS
+
+        def texts() -> tuple[list[str], list[str]]:
+            made = archive_texts(new, self.redact_secrets, self.max_bytes)
+            return made, repeat_candidates(new, made)
+
+        made, candidates = await asyncio.to_thread(texts) if big else texts()
+        known: set[str] = set()
+        if candidates:  # a long paragraph the user sent in another session is scaffolding
+            user, sid = placement.session.user_id, placement.session.id
+            session = None if placement.created else sid
+            known = await self.store.read(
+                lambda c: scaffolds.known_paragraphs(c, user, candidates, session)
+            )
 
         def make() -> list[NewTurn]:
             return to_new_turns(
@@ -122,10 +168,11 @@ class Archive:
                 now,
                 max_bytes=self.max_bytes,
                 api=mt.api,
+                texts=made,
+                known=known,
             )
 
-        chars = sum(len(content_text(m.get("content"))) for m in new)
-        return await asyncio.to_thread(make) if chars > THREAD_CHARS else make()
+        return await asyncio.to_thread(make) if big else make()
 
     async def commit(
         self, mt: MemoryTurn, reply_message: dict[str, Any] | None, complete: bool

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.messages import content_text
+from proxy import clients
+from proxy.messages import content_text, current_turn_start
 
 USER_HEADERS = ("X-Engram-User", "X-OpenWebUI-User-Id")
 SESSION_HEADERS = ("X-Engram-Session", "X-OpenWebUI-Chat-Id", "X-Session-Id")
@@ -107,30 +108,27 @@ def api_key(headers: Mapping[str, str]) -> str | None:
     return key
 
 
-# Requests that chat front-ends make for housekeeping (titles, tags, follow-ups, autocomplete):
-# answered as usual but neither archived nor given memories.
-HOUSEKEEPING_PATTERNS = (
-    r"### Task:\s*\n\s*(Generate|Suggest|Analyze|Create|Based on|You are an autocompletion)",
-    r"Generate a concise, 3-5 word title",
-    r"Generate 1-3 broad tags",
-    r"Suggest 3-5 relevant follow-up",
-    r"generate a concise,? 5-word-or-less title",
-    r"Please generate a (concise )?title for (this|the) conversation",
-    r"You are an autocompletion system",
-    r"<chat_history>[\s\S]*</chat_history>[\s\S]*(title|tags|follow-up)",
-)
-_HOUSEKEEPING = re.compile("|".join(f"(?:{p})" for p in HOUSEKEEPING_PATTERNS), re.IGNORECASE)
+# Requests clients make for themselves (titles, tags, topics, summaries, quota probes), by what
+# they ask (proxy.clients): answered as usual but neither archived nor given memories.
+_HOUSEKEEPING = clients.compile_any(clients.HOUSEKEEPING)
+HOUSEKEEPING_CHARS = 4000  # how much of each text is searched
 
 
 def is_housekeeping(
     messages: Sequence[Mapping[str, Any]], extra: re.Pattern[str] | None = None
 ) -> bool:
-    """Whether the last user (or system) message is a client's housekeeping prompt."""
-    for msg in reversed(messages):
-        if msg.get("role") in ("user", "system", "developer"):
-            text = content_text(msg.get("content"))[:4000]
-            if _HOUSEKEEPING.search(text) or (extra is not None and extra.search(text)):
-                return True
-            if msg.get("role") == "user":
-                return False
+    """Whether the request is a client's housekeeping: its first system message or a user
+    message of its current turn (everything after the last reply) asks for it."""
+    cur = current_turn_start(messages)
+    texts = [
+        content_text(msg.get("content"))[:HOUSEKEEPING_CHARS]
+        for i, msg in enumerate(messages)
+        if (i == 0 and msg.get("role") in ("system", "developer"))
+        or (msg.get("role") == "user" and i >= cur)
+    ]
+    for text in texts:
+        if (_HOUSEKEEPING is not None and _HOUSEKEEPING.search(text)) or (
+            extra is not None and extra.search(text)
+        ):
+            return True
     return False

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.chat.fence import inert_text
+from proxy.messages import current_turn_start
 
 Message = dict[str, Any]
 
@@ -81,20 +82,8 @@ def units(messages: Sequence[Message], start: int, end: int) -> list[tuple[int, 
 
 
 def current_start(messages: Sequence[Message], first: int) -> int:
-    """Index where the current turn starts: everything after the last assistant message that
-    precedes the last user message. A client may send several messages at once (an environment
-    block, then the question), and an agent loop's calls and results after the user message
-    belong to its turn."""
-    after_reply = first
-    last_user: int | None = None
-    for i in range(len(messages) - 1, first - 1, -1):
-        role = messages[i].get("role")
-        if role == "user" and last_user is None:
-            last_user = i
-        if role == "assistant" and last_user is not None:
-            after_reply = i + 1
-            break
-    return min(after_reply, last_user) if last_user is not None else after_reply
+    """Index where the current turn starts (:func:`proxy.messages.current_turn_start`)."""
+    return current_turn_start(messages, first)
 
 
 def fixed_tokens(messages: Sequence[Message], count: Callable[[Message], int]) -> int:

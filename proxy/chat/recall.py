@@ -16,10 +16,13 @@ hand-backs, summaries and facts as derived.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from proxy import scaffold
 from proxy.cache import LRU
 from proxy.chat.fence import Recalled
 from proxy.chat.turn import MemoryTurn
@@ -27,7 +30,7 @@ from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
 from proxy.search.retrieval import Hit, RecallTimeout, Retriever
-from proxy.store import queries
+from proxy.store import queries, scaffolds
 from proxy.store.items import session_items
 from proxy.store.models import EMBED_CHARS, RECALLED_ROLES, Turn, text_hash
 from proxy.store.store import Store
@@ -40,6 +43,28 @@ log = logging.getLogger("engram.recall")
 REDACT_MARGIN = 4096
 TEXT_CACHE = 50_000  # message texts whose hashes are remembered (clients resend the history)
 TOOL_OUTPUT_ROLES = ("tool", "function")
+REPEATED_USERS = 1024  # users whose repeated paragraphs are kept in memory
+REPEATED_TTL = 30.0  # seconds a user's repeated paragraphs are kept before being read again
+
+
+def query_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """What recall searches for: the words of the last user message (its scaffolding, such as a
+    ``<system-reminder>`` block, left out; "" for a message the client made up)."""
+    return scaffold.words_of("user", last_user_text(messages)).strip()
+
+
+def words_recalled(role: str, content: str, repeated: frozenset[str]) -> str:
+    """A recalled turn's text as the model is shown it: without scaffolding a turn stored
+    before it was cut out still holds (by shape, or a paragraph since repeated elsewhere)."""
+    words = scaffold.words_of(role, content)
+    if repeated and len(words) >= scaffold.REPEAT_MIN:
+        words = "".join(
+            p
+            for p in scaffold.paragraphs(words)
+            if len(core := scaffold.core_of(p)) < scaffold.REPEAT_MIN
+            or scaffold.digest(core) not in repeated
+        )
+    return words
 
 
 def recalled(turn: Turn, score: float) -> Recalled:
@@ -56,14 +81,19 @@ class Recall:
         self.settings = settings
         self.store = store
         self.retriever = retriever
-        # text hash as sent -> (hash as sent, hash as archived, i.e. redacted)
-        self._hashes: LRU[str, tuple[str, str]] = LRU(TEXT_CACHE)
+        # text hash as sent -> (hash as sent, redacted, as archived: redacted words)
+        self._hashes: LRU[str, tuple[str, str, str]] = LRU(TEXT_CACHE)
+        # user -> (when read, paragraphs that became scaffolding by repetition)
+        self._repeated: LRU[str, tuple[float, frozenset[str]]] = LRU(REPEATED_USERS)
 
     def query_vector(self, messages: Sequence[Mapping[str, Any]]) -> asyncio.Task[Any] | None:
         s = self.settings.retrieval
         if s.top_k <= 0 or s.budget_tokens <= 0:
             return None
-        task = self.retriever.embed_query(last_user_text(messages))
+        query = query_text(messages)
+        if not query:
+            return None
+        task = self.retriever.embed_query(query)
         if task is not None:  # an unused or failed embedding is dropped quietly
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
@@ -71,7 +101,7 @@ class Recall:
     async def recall(self, mt: MemoryTurn, window_start: int) -> list[Recalled]:
         """The best memories for the new user message that the forwarded window lacks."""
         s = self.settings.retrieval
-        query = last_user_text(mt.messages)
+        query = query_text(mt.messages)
         if not query or s.top_k <= 0 or s.budget_tokens <= 0:
             return []
         limit = self.settings.limits.recall_deadline
@@ -87,7 +117,10 @@ class Recall:
         def wanted(role: str, content: str) -> bool:
             if role not in RECALLED_ROLES or role in skip_roles or not content.strip():
                 return False
-            return text_hash(content[:EMBED_CHARS]) not in present
+            if text_hash(content[:EMBED_CHARS]) in present:
+                return False
+            # A turn stored before scaffolding was cut out reads as its words.
+            return bool(scaffold.words_of(role, content).strip())
 
         def keep(turn: Turn) -> bool:
             return wanted(turn.role, turn.content)
@@ -163,21 +196,30 @@ class Recall:
                 log.exception("reading neighbour turns failed; recalling the hits alone")
         out = list(extra)
         seen = {m.id for m in extra}
+        repeated = await self.repeated(mt.identity.user, [h.turn for h in hits])
         for h in hits:
-            hit = Recalled(
-                h.turn.id,
-                h.turn.role,
-                h.turn.speaker,
-                h.turn.content,
-                h.turn.timestamp,
-                h.turn.session_id,
-                h.score,
-            )
+            hit = recalled(h.turn, h.score)
             for m in (hit, *near.get(h.turn.id, ())):
-                if m.id not in seen:
-                    seen.add(m.id)
-                    out.append(m)
+                if m.id in seen:
+                    continue
+                seen.add(m.id)
+                words = words_recalled(m.role, m.content, repeated)
+                if words.strip():
+                    out.append(dataclasses.replace(m, content=words) if words != m.content else m)
         return out
+
+    async def repeated(self, user: str, turns: Sequence[Turn]) -> frozenset[str]:
+        """The user's paragraphs that became scaffolding by repetition, read (and kept a
+        while) only when a recalled turn is long enough to hold one."""
+        if all(len(t.content) < scaffold.REPEAT_MIN for t in turns):
+            return frozenset()
+        now = time.monotonic()
+        found = self._repeated.get(user)
+        if found is not None and now - found[0] < REPEATED_TTL:
+            return found[1]
+        hashes = await self.store.read(lambda c: scaffolds.repeated_hashes(c, user))
+        self._repeated[user] = (now, hashes)
+        return hashes
 
     async def neighbours(
         self,
@@ -220,8 +262,13 @@ class Recall:
             plain = text_hash(text[:EMBED_CHARS])
             found = self._hashes.get(plain)
             if found is None:
-                redacted = text_hash(redact(text[: EMBED_CHARS + REDACT_MARGIN])[:EMBED_CHARS])
-                found = (plain, redacted)
+                redacted = redact(text[: EMBED_CHARS + REDACT_MARGIN])
+                words = scaffold.words_of(str(m.get("role")), redacted)
+                found = (
+                    plain,
+                    text_hash(redacted[:EMBED_CHARS]),
+                    text_hash(words[:EMBED_CHARS]),  # as archived: scaffolding cut out
+                )
                 self._hashes[plain] = found
             out.update(found)
         return out

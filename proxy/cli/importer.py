@@ -12,6 +12,7 @@ line, good ones kept.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy import scaffold
 from proxy.background.items import ITEM_ROLES
 from proxy.jsonl import (
     LineError,
@@ -31,6 +33,7 @@ from proxy.jsonl import (
     parse_record,
 )
 from proxy.search.embedder import Embedder
+from proxy.store import scaffolds
 from proxy.store.db import Connection
 from proxy.store.items import next_item_position
 from proxy.store.models import (
@@ -121,6 +124,10 @@ class _Importer:
     states: dict[tuple[str, str], _SessionState | str] = field(default_factory=dict)
     pending: list[tuple[TurnRecord, NewTurn]] = field(default_factory=list)
     storing: asyncio.Task[None] | None = None
+    # The (redacted) text of each pending turn with long user paragraphs, by its index.
+    texts: dict[int, str] = field(default_factory=dict)
+    # user -> paragraph hash -> the session that sent it first in this import
+    seen: dict[str, dict[str, str]] = field(default_factory=dict)
 
     async def session(self, user: str, name: str, rec: SessionRecord | None) -> _SessionState | str:
         """The state of the user's session ``name``, created if new; a string says why it
@@ -170,19 +177,38 @@ class _Importer:
             position, state.next_item = state.next_item, state.next_item - 1
         else:
             position, state.next_position = state.next_position, state.next_position + 1
-        turn = NewTurn(
-            position=position,
-            role=rec.role,
-            content=content,
-            speaker=rec.speaker,
-            tool_calls=calls,
-            tool_call_id=rec.tool_call_id,
-            timestamp=rec.timestamp,
-            token_count=max(1, estimate(content)),
-            incomplete=rec.incomplete,
-            embed_hash=text_hash(embed_text(rec.role, rec.speaker, content)),
-        )
+        turn = _turn(rec, content, calls, position, None)
+        if turn.sightings:
+            self.texts[len(self.pending)] = content  # looked up again with the batch
         self.pending.append((rec, turn))
+
+    async def repetitions(self, pending: list[tuple[TurnRecord, NewTurn]]) -> None:
+        """Long user paragraphs sent in another session (stored, or earlier in this import)
+        are scaffolding: the turns holding one are made again with what is known."""
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i in self.texts:
+            rec = pending[i][0]
+            groups.setdefault((rec.user, rec.session), []).append(i)
+        for (user, name), idx in groups.items():
+            state = self.states[(user, name)]
+            assert isinstance(state, _SessionState)
+            sid = state.id
+            hashes = sorted({h for i in idx for h in pending[i][1].sightings})
+            known = await self.store.read(
+                functools.partial(
+                    scaffolds.known_paragraphs, user_id=user, hashes=hashes, session_id=sid
+                )
+            )
+            seen = self.seen.setdefault(user, {})
+            known |= {h for h in hashes if seen.get(h, sid) != sid}
+            for i in idx:
+                rec, turn = pending[i]
+                if known.intersection(turn.sightings):
+                    again = _turn(rec, self.texts[i], turn.tool_calls, turn.position, known)
+                    pending[i] = (rec, again)
+                for h in pending[i][1].sightings:
+                    seen.setdefault(h, sid)
+        self.texts.clear()
 
     async def flush(self) -> None:
         """Embed the pending turns, then store them while the caller reads and embeds the next
@@ -191,6 +217,8 @@ class _Importer:
         pending, self.pending = self.pending, []
         if not pending:
             return
+        if self.texts:
+            await self.repetitions(pending)
         vectors = await self._embed([t for _, t in pending])
         await self.finish()
         self.storing = asyncio.create_task(self._store(pending, vectors))
@@ -237,6 +265,35 @@ class _Importer:
         for i, vec in zip(wanted, vecs, strict=True):
             out[i] = vec
         return out
+
+
+def _turn(
+    rec: TurnRecord,
+    content: str,
+    calls: list[dict[str, Any]] | None,
+    position: int,
+    known: set[str] | None,
+) -> NewTurn:
+    """The row of one imported turn: its words, with its scaffolding cut out
+    (:mod:`proxy.scaffold`; ``known``: long paragraphs sent in other sessions)."""
+    words, pieces, sightings = scaffold.archived(
+        rec.role, content, known.__contains__ if known else None
+    )
+    return NewTurn(
+        position=position,
+        role=rec.role,
+        content=words,
+        speaker=rec.speaker,
+        tool_calls=calls,
+        tool_call_id=rec.tool_call_id,
+        timestamp=rec.timestamp,
+        token_count=max(1, estimate(words)),
+        incomplete=rec.incomplete,
+        content_hash=message_hash(rec.role, content, rec.speaker, calls, rec.tool_call_id),
+        embed_hash=text_hash(embed_text(rec.role, rec.speaker, words)),
+        scaffold=pieces,
+        sightings=sightings,
+    )
 
 
 def _redact_call(call: dict[str, Any], redact: Callable[[str], str]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ its tool-result slots deletable (``slot_sessions``, migration 9).
 cascade and trigger their turns (with FTS rows and vectors), summaries, request records (and the
 feedback and consolidation-queue rows hanging off them), the memory items derived from any of them
 (a sub-agent's hand-back in its parent, facts: ``source_session``), and the slots that only these
-sessions referenced. It answers the ids of those slots, so the caller can delete their copies in
+sessions referenced, and the scaffolding (:mod:`proxy.store.scaffolds`) no other session of the
+user used. It answers the ids of those slots, so the caller can delete their copies in
 Redis too. Making the bytes leave the file is :mod:`proxy.store.scrub`'s job, afterwards.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from proxy.store import scaffolds
 from proxy.store.db import Connection
 
 
@@ -63,6 +65,7 @@ def forget_session(conn: Connection, session_id: str, user_id: str | None) -> Fo
     ]
     conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,))  # the rest by cascade
     conn.execute(f"DELETE FROM slot_sessions WHERE session_id IN ({marks})", tree)
+    scaffolds.forget_sessions(conn, owner, tree)
     conn.executemany(
         "DELETE FROM slots WHERE user_id = ? AND id = ?", [(owner, sid) for sid in slot_ids]
     )

@@ -67,6 +67,10 @@ Conventions the schema fixes (migration 1):
 - Migration 11 (the model of every vector, :mod:`proxy.store.vectable`): ``embed_models`` and
   ``turns.embed_model``, written with ``embed_hash``. ``turn_vec`` takes the dimension of its
   model: :data:`EMBED_DIM` is only that of a new database's table.
+- Migration 12 (scaffolding, :mod:`proxy.store.scaffolds`): ``scaffolds`` holds each piece of
+  scaffolding once per user by hash, ``turns.scaffold`` where a turn's pieces stood in its
+  words, ``scaffold_sessions`` and ``paragraph_sightings`` which sessions sent what. Turns stored
+  before keep their content whole (recall reads their words by shape).
 """
 
 from __future__ import annotations
@@ -313,6 +317,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (9, later.m009_forgetting),
     (10, later.m010_turn_api),
     (11, later.m011_embed_models),
+    (12, later.m012_scaffolds),
 )
 """(version, function), ascending. Append only."""
 

@@ -128,3 +128,47 @@ def m011_embed_models(conn: Connection) -> None:
         default = str(int(cur.lastrowid or 0))
     # No REFERENCES: SQLite refuses a foreign-key column with a non-NULL default.
     conn.execute(f"ALTER TABLE turns ADD COLUMN embed_model INTEGER DEFAULT {default}")
+
+
+def m012_scaffolds(conn: Connection) -> None:
+    """Scaffolding stored once per user (:mod:`proxy.store.scaffolds`): what clients send again
+    and again (system prompts, reminder and environment blocks, retries) is cut out of a turn's
+    content into ``scaffolds``, by hash; ``turns.scaffold`` says where each piece stood.
+    ``scaffold_sessions`` records which sessions used a piece (forgetting the last one forgets
+    it) and ``paragraph_sightings`` which sessions sent a long paragraph (sent again in another
+    session, it is scaffolding)."""
+    execute_script(
+        conn,
+        """
+        -- JSON [[at, hash, lead, trail], ...]: the pieces cut out of content, in order; NULL: none.
+        ALTER TABLE turns ADD COLUMN scaffold TEXT;
+        CREATE TABLE scaffolds (
+            user_id    TEXT NOT NULL,
+            hash       TEXT NOT NULL,           -- proxy.scaffold.digest of content
+            kind       TEXT NOT NULL,           -- system, system-reminder, environment, retry, …
+            content    TEXT NOT NULL,           -- redacted, without surrounding white space
+            created_at REAL NOT NULL,
+            last_seen  REAL NOT NULL,
+            PRIMARY KEY (user_id, hash)
+        ) WITHOUT ROWID;
+        CREATE TABLE scaffold_sessions (
+            user_id    TEXT NOT NULL,
+            hash       TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            PRIMARY KEY (user_id, hash, session_id)
+        ) WITHOUT ROWID;
+        CREATE INDEX scaffold_sessions_session ON scaffold_sessions(session_id);
+        CREATE TABLE paragraph_sightings (
+            user_id    TEXT NOT NULL,
+            hash       TEXT NOT NULL,
+            session_id TEXT NOT NULL,
+            PRIMARY KEY (user_id, hash, session_id)
+        ) WITHOUT ROWID;
+        CREATE INDEX paragraph_sightings_session ON paragraph_sightings(session_id);
+        CREATE TRIGGER users_ad_scaffolds AFTER DELETE ON users BEGIN
+            DELETE FROM scaffolds WHERE user_id = old.id;
+            DELETE FROM scaffold_sessions WHERE user_id = old.id;
+            DELETE FROM paragraph_sightings WHERE user_id = old.id;
+        END;
+        """,
+    )

@@ -80,6 +80,20 @@ def text_hash(text: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Scaffold:
+    """A piece of scaffolding cut out of a turn's text (:mod:`proxy.scaffold`): stored once per
+    user by ``hash`` (:mod:`proxy.store.scaffolds`), referenced by the turn at offset ``at`` of
+    its words, ``lead`` and ``trail`` being the white space around ``content`` there."""
+
+    hash: str
+    kind: str
+    content: str
+    at: int
+    lead: str = ""
+    trail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class NewTurn:
     """One message to archive at ``position`` (0-based, per session) of its session."""
 
@@ -101,6 +115,11 @@ class NewTurn:
     ``content``. Only stored when a vector is."""
     api: str | None = None
     """The chat API it came through (``openai-chat``, ``anthropic``, …); None: imported."""
+    scaffold: tuple[Scaffold, ...] = ()
+    """What was cut out of ``content`` (the words) as scaffolding, in order."""
+    sightings: tuple[str, ...] = ()
+    """Hashes of the long paragraphs of ``content``: seen in another of the user's sessions,
+    such a paragraph is scaffolding from then on."""
 
     def identity(self) -> str:
         """``content_hash``, or the :func:`message_hash` of this message."""

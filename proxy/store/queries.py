@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from proxy.store import scaffolds
 from proxy.store.db import Connection
 from proxy.store.indexing import insert_vector
 from proxy.store.migrations import applied_versions
@@ -213,8 +214,8 @@ def insert_turns(
         cur = conn.execute(
             "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
             " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete,"
-            " fts_pending, api, embed_model)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " fts_pending, api, embed_model, scaffold)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(session_id, position) DO NOTHING",
             (
                 session_id,
@@ -235,6 +236,7 @@ def insert_turns(
                 int(fts_pending),
                 turn.api,
                 model if vec is not None else None,
+                scaffolds.refs_json(turn.scaffold),
             ),
         )
         if cur.rowcount != 1 or cur.lastrowid is None:
@@ -242,6 +244,8 @@ def insert_turns(
         if vec is not None:
             insert_vector(conn, cur.lastrowid, user_id, session_id, session.indexed, vec)
         ids.append((cur.lastrowid, turn))
+    if any(t.scaffold or t.sightings for _, t in ids):
+        scaffolds.record(conn, user_id, session_id, [t for _, t in ids], now)
     conn.execute(
         "UPDATE sessions SET last_seen = max(last_seen, ?) WHERE id = ?", (now, session_id)
     )
@@ -316,14 +320,21 @@ def session_turn_hashes(conn: Connection, session_id: str) -> list[str]:
 
 
 def session_turns(
-    conn: Connection, session_id: str, from_position: int = 0, limit: int | None = None
+    conn: Connection,
+    session_id: str,
+    from_position: int = 0,
+    limit: int | None = None,
+    as_sent: bool = False,
 ) -> list[Turn]:
+    """The session's turns by position: their words, or with ``as_sent`` their text as the
+    client sent it (the scaffolding put back, :mod:`proxy.store.scaffolds`)."""
     rows = conn.execute(
         f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position >= ?"
         " ORDER BY position LIMIT ?",
         (session_id, from_position, -1 if limit is None else limit),
     )
-    return [turn_of(r) for r in rows]
+    turns = [turn_of(r) for r in rows]
+    return scaffolds.as_sent(conn, turns) if as_sent else turns
 
 
 def get_turns(conn: Connection, ids: Sequence[int], user_id: str | None) -> list[Turn]:

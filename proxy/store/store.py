@@ -305,9 +305,7 @@ class Store:
 
     async def get_turns(self, ids: Sequence[int], *, user_id: str | None = None) -> list[Turn]:
         ids = list(ids)
-        if not ids:
-            return []
-        return await self.read(lambda c: queries.get_turns(c, ids, user_id))
+        return await self.read(lambda c: queries.get_turns(c, ids, user_id)) if ids else []
 
     # -- search ---------------------------------------------------------------------------
     async def fts_search(

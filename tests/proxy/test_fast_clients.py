@@ -23,14 +23,14 @@ from proxy.services import SERVICES
 from proxy.store.models import Turn
 from testing.fake_chunks import chat_chunks, chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply, RawReply, StreamReply
-from testing.harness import Engram, settle
+from testing.harness import Engram, settle, turns_as_sent
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 
 
 async def user_turns(engram: Engram, user: str) -> dict[str, list[Turn]]:
     store = engram.app[SERVICES].store
-    return {s.id: await store.session_turns(s.id) for s in await store.list_sessions(user)}
+    return {s.id: await turns_as_sent(engram, s.id) for s in await store.list_sessions(user)}
 
 
 async def send(
@@ -111,7 +111,7 @@ async def test_reply_is_stored_before_the_client_has_its_last_byte(
         msgs = [SYSTEM, {"role": "user", "content": f"question {i}"}]
         text, sid = await send(http, engram, msgs, headers, stream=i < 2)
         assert text == want
-        stored = await engram.app[SERVICES].store.session_turns(sid)  # no settle
+        stored = await turns_as_sent(engram, sid)  # no settle
         assert [t.content for t in stored] == [SYSTEM["content"], f"question {i}", want], i
         assert not stored[-1].incomplete
 
@@ -186,10 +186,10 @@ async def test_rejected_request_is_not_archived(
         assert r.status == 401
         await r.read()
     await settle(engram)
-    assert await engram.app[SERVICES].store.session_turns("r") == []
+    assert await turns_as_sent(engram, "r") == []
     text, _ = await send(http, engram, body["messages"], headers, stream=True)
     await settle(engram)
-    stored = await engram.app[SERVICES].store.session_turns("r")
+    stored = await turns_as_sent(engram, "r")
     assert [t.content for t in stored] == [SYSTEM["content"], "secret plan", text]
 
 
@@ -205,12 +205,12 @@ async def test_client_gone_mid_stream_keeps_what_arrived(
         while b"part one" not in got:  # the first words, then the client goes away
             got += await r.content.readany()
     for _ in range(200):
-        stored = await engram.app[SERVICES].store.session_turns("leave")
+        stored = await turns_as_sent(engram, "leave")
         if len(stored) == 2:
             break
         await asyncio.sleep(0.02)
     await settle(engram)
-    stored = await engram.app[SERVICES].store.session_turns("leave")
+    stored = await turns_as_sent(engram, "leave")
     assert [t.content for t in stored] == ["go on", "part one "]
     assert stored[1].role == "assistant" and stored[1].incomplete
 
@@ -273,7 +273,7 @@ async def test_odd_but_accepted_requests_are_archived(
         await r.read()
     await settle(engram)
     sent = json.loads(raw)["messages"]
-    stored = await engram.app[SERVICES].store.session_turns("odd")
+    stored = await turns_as_sent(engram, "odd")
     assert len(stored) == len(sent) + 1, case  # every message and the reply
     for turn, msg in zip(stored, sent, strict=False):
         want = without_lone_surrogates(content_text(msg.get("content")))
@@ -295,7 +295,7 @@ async def test_lone_surrogate_in_the_body_user_names_a_user_and_is_archived(
         await r.read()
     await settle(engram)
     store = engram.app[SERVICES].store
-    stored = await store.session_turns("odd-user")
+    stored = await turns_as_sent(engram, "odd-user")
     assert [t.content for t in stored] == ["hi", "echo: hi"]
     session = await store.get_session("odd-user")
     assert session is not None and session.user_id.startswith("h-")  # the cleaned name, hashed

@@ -29,7 +29,7 @@ from proxy.store import indexing
 from proxy.store.quota import user_turn_count
 from testing.conversations import WORDS, long_conversation
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, settle, start_engram, turns_as_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -234,7 +234,7 @@ async def test_a_message_past_max_message_bytes_is_stored_cut_and_forwarded_whol
         status, _, headers = await post(http, engram, "cut", msgs)
         assert status == 200
         assert fake.chat_requests()[-1].json()["messages"][-1]["content"] == text
-        turns = await engram.app[SERVICES].store.session_turns(headers["X-Engram-Session"])
+        turns = await turns_as_sent(engram, headers["X-Engram-Session"])
         stored = turns[1].content
         assert stored.startswith("é" * 2000)
         assert "sk-Q7Q7" not in stored  # redaction read past the cut

@@ -21,7 +21,7 @@ from proxy.store.models import Turn
 from testing.fake_chunks import template_violations
 from testing.fake_responses import events, function_call_response
 from testing.fake_upstream import FakeUpstream, JsonReply, StreamReply
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, settle, start_engram, turns_as_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -87,7 +87,7 @@ def forwarded(fake: FakeUpstream, n: int = -1) -> dict[str, Any]:
 
 async def turns_of(engram: Engram, user: str) -> dict[str, list[Turn]]:
     store = engram.app[SERVICES].store
-    return {s.name: await store.session_turns(s.id) for s in await store.list_sessions(user)}
+    return {s.name: await turns_as_sent(engram, s.id) for s in await store.list_sessions(user)}
 
 
 def roles(turns: list[Turn]) -> list[tuple[str, str]]:

@@ -102,8 +102,19 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "fts_pending",
         "api",
         "embed_model",
+        "scaffold",
     ]
     assert _columns(conn, "embed_models") == ["id", "name", "dim"]
+    assert _columns(conn, "scaffolds") == [
+        "user_id",
+        "hash",
+        "kind",
+        "content",
+        "created_at",
+        "last_seen",
+    ]
+    assert _columns(conn, "scaffold_sessions") == ["user_id", "hash", "session_id"]
+    assert _columns(conn, "paragraph_sightings") == ["user_id", "hash", "session_id"]
     assert _objects(conn, "trigger") == {
         "turns_ai",
         "turns_au",
@@ -111,6 +122,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "sessions_ad_items",
         "users_ad_slots",
         "users_ad_slot_sessions",
+        "users_ad_scaffolds",
     }
     assert {"requests", "feedback", "consolidation_queue", "counters"} <= tables
     fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(requests)")}

@@ -76,7 +76,7 @@ def test_migration_11_gives_existing_vectors_the_recorded_model(
                 " content_hash, embed_hash) VALUES ('s', 'u', ?, 'user', ?, 0, ?, ?)",
                 (p, f"t{p}", f"c{p}", embed_hash),
             )
-        assert migrations.migrate(c) == [11]
+        assert migrations.migrate(c)[0] == 11
         assert _models(c) == [("old-model", 2)]
         assert c.execute("SELECT name, dim FROM embed_models").fetchall() == [("old-model", 384)]
     finally:

@@ -1,0 +1,95 @@
+r"""What known clients send that is not a person's words: data only, one entry per shape.
+
+Three kinds, each a table of regular expressions (the client that sends each shape in its
+comment, so a new client or version is one line here, never a code path):
+
+- :data:`HOUSEKEEPING` — requests a client makes for itself (a title, tags, follow-ups, a topic,
+  a summary of the conversation so far, a quota probe). Searched in the request's system text and
+  in the user messages of its current turn; a match makes the request housekeeping
+  (:func:`proxy.chat.identity.is_housekeeping`): forwarded as sent, no memories, not archived.
+- :data:`BLOCKS` — blocks a client wraps around context it regenerates on every request
+  (reminders, environment, instructions). Found inside user messages by
+  :mod:`proxy.scaffold`, stored once per user, never recalled.
+- :data:`MADE_UP` — whole messages a client writes in the user's place (retries after a cut
+  reply, "continue" nudges, the hand-over after a context compaction).
+
+Every pattern is matched case-sensitively unless it says ``(?i:…)``, ``.`` matching line ends
+too; ``BLOCKS`` patterns match the whole block, tags included; ``\A`` and ``\Z`` anchor at the
+text's start and end.
+"""
+
+from __future__ import annotations
+
+import re
+
+HOUSEKEEPING: tuple[str, ...] = (
+    # Open WebUI: "### Task:" prompts for titles, tags, follow-ups, autocompletion.
+    r"### Task:\s*\n\s*(?:Generate|Suggest|Analyze|Create|Based on|You are an autocompletion)",
+    r"(?i:Generate a concise, 3-5 word title)",
+    r"(?i:Generate 1-3 broad tags)",
+    r"(?i:Suggest 3-5 relevant follow-up)",
+    r"(?i:You are an autocompletion system)",
+    r"(?i:<chat_history>[\s\S]*</chat_history>[\s\S]*(?:title|tags|follow-up))",
+    # LibreChat: titles.
+    r"(?i:generate a concise,? 5-word-or-less title)",
+    r"(?i:Please generate a (?:concise )?title for (?:this|the) conversation)",
+    r"(?i:Write a concise title for this conversation)",
+    # opencode: its title agent and its compaction (summary) agent.
+    r"You are a title generator\. You output ONLY a thread title",
+    r"\AGenerate a title for this conversation:",
+    r"Create a new anchored summary from the conversation history",
+    r"Summarize what was done in this conversation\. Write like a pull request description",
+    r"Do not continue the conversation\. Do not respond to any questions in the conversation\.",
+    # Claude Code: session titles (2.1: "naming a coding session"; older: "5-10 word title"),
+    # topic detection, compaction summaries and the quota probe sent at start.
+    r"You are naming a coding session so the user can pick it out",
+    r"(?i:Please write a 5-10 word title for the following conversation)",
+    r"Analyze if this message indicates a new conversation topic",
+    r"Your task is to create a detailed summary of (?:the conversation so far|this conversation"
+    r"|the RECENT portion of the conversation)",
+    r"\Aquota\Z",
+    # Codex: its context compaction.
+    r"You are performing a CONTEXT CHECKPOINT COMPACTION",
+    # Continue: chat titles.
+    r"Given the following\.\.\. please reply with a title for the chat",
+    # GitHub Copilot Chat (VS Code): chat titles.
+    r"You are an expert in crafting pithy titles for chatbot conversations",
+)
+
+BLOCKS: tuple[tuple[str, str], ...] = (
+    # Claude Code (reminders, CLAUDE.md, IDE context, hook output) and opencode: <system-reminder>.
+    ("system-reminder", r"<system-reminder>.*?</system-reminder>"),
+    # Codex: the working directory, shell, date and sandbox of this run.
+    ("environment", r"<environment_context>.*?</environment_context>"),
+    # Cline and Roo Code: the open files, the working directory, the time.
+    ("environment", r"<environment_details>.*?</environment_details>"),
+    # Codex: AGENTS.md, user instructions, skills and permission rules.
+    (
+        "instructions",
+        r"(?:# AGENTS\.md instructions for [^\n]*\n+)?<INSTRUCTIONS>.*?</INSTRUCTIONS>",
+    ),
+    ("instructions", r"<user_instructions>.*?</user_instructions>"),
+    ("instructions", r"<skills_instructions>.*?</skills_instructions>"),
+    ("instructions", r"<permissions instructions>.*?</permissions instructions>"),
+    ("instructions", r"<collaboration_mode>.*?</collaboration_mode>"),
+    # Claude Code: the caveat it puts before the output of local slash commands.
+    ("instructions", r"<local-command-caveat>.*?</local-command-caveat>"),
+)
+
+MADE_UP: tuple[tuple[str, str], ...] = (
+    # Claude Code: retries after a reply hit its output limit, resumes after a restart.
+    ("retry", r"\AOutput token limit hit\b"),
+    ("retry", r"\AContinue from where you left off\b"),
+    ("retry", r"\A(?i:(?:your|the) (?:previous |last )?response was (?:cut off|truncated))\b"),
+    # Any client, or a person, nudging the model on: no words worth remembering.
+    ("retry", r"\A(?i:(?:please )?(?:continue|resume|go on|keep going|proceed))[.!]?\Z"),
+    # Claude Code and Codex: the hand-over after compacting a conversation (a summary the model
+    # wrote, not the user's words).
+    ("handoff", r"\AThis session is being continued from a previous conversation"),
+    ("handoff", r"\AAnother language model started to solve this problem"),
+)
+
+
+def compile_any(patterns: tuple[str, ...] | list[str]) -> re.Pattern[str] | None:
+    """One regular expression matching any of ``patterns`` (None for none)."""
+    return re.compile("|".join(f"(?:{p})" for p in patterns), re.DOTALL) if patterns else None

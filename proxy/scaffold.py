@@ -1,0 +1,205 @@
+"""Scaffolding: what a client sends again and again that is nobody's words (pure).
+
+Agents wrap every request in context they make themselves: system prompts and agent lists,
+``<system-reminder>`` and ``<environment_context>`` blocks, retries ("Output token limit hit…"),
+hand-overs after a compaction. Archived as the user's words, that would be stored again in every
+session and recalled as memories (an old working directory answering for the current one). So a
+message's text is split into its **words** (what is archived, indexed and recalled) and its
+**pieces** of scaffolding, each of which is stored once per user by its hash
+(:mod:`proxy.store.scaffolds`), never recalled:
+
+- the text of a system or developer message: all of it, a paragraph a piece (the paragraphs that
+  stay the same across runs are stored once, only a changed one — a date, a directory — again);
+- in a user message, the blocks whose shape says so (:data:`proxy.clients.BLOCKS`), and the whole
+  message when it is one a client writes in the user's place (:data:`proxy.clients.MADE_UP`);
+- in a user message, a paragraph of at least :data:`REPEAT_MIN` characters that the caller knows
+  as scaffolding (``known``: it was sent verbatim in another of the user's sessions).
+
+:func:`join` puts the pieces back where they were: ``join(split(...))`` is the text as sent.
+Assistant and tool messages are never split (a tool output is data, whatever it holds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proxy import clients
+from proxy.store.models import Scaffold
+
+REPEAT_MIN = 200  # characters a user paragraph needs before repetition can make it scaffolding
+SYSTEM_ROLES = ("system", "developer")
+
+_BLOCK_KINDS = [kind for kind, _ in clients.BLOCKS]
+_BLOCKS = re.compile(
+    "|".join(f"({pattern})" for _, pattern in clients.BLOCKS) + r"", re.DOTALL
+)  # group k+1 is BLOCKS[k]
+_TRAILING = re.compile(r"[ \t]*(?:\r?\n)*")
+_MADE_UP = [(kind, re.compile(pattern, re.DOTALL)) for kind, pattern in clients.MADE_UP]
+_PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
+_SPACE = " \t\r\n"
+
+
+def digest(core: str) -> str:
+    """The hash a piece is stored under (of its text without surrounding white space)."""
+    return hashlib.sha256(core.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def core_of(text: str) -> str:
+    """``text`` without the white space around it, as pieces are stored and hashed."""
+    return text.strip(_SPACE)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A piece of scaffolding cut out of a message's text."""
+
+    kind: str  # system | system-reminder | environment | instructions | retry | handoff | repeated
+    text: str  # exactly as it stood, white space included
+    at: int  # where it stood in the words (offsets into :attr:`Split.words`)
+
+    @property
+    def core(self) -> str:
+        """The text without its surrounding white space: what is stored once."""
+        return core_of(self.text)
+
+    @property
+    def lead(self) -> str:
+        return self.text[: len(self.text) - len(self.text.lstrip(_SPACE))]
+
+    @property
+    def trail(self) -> str:
+        return self.text[len(self.text.rstrip(_SPACE)) :] if self.core else ""
+
+    @property
+    def hash(self) -> str:
+        return digest(self.core)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A message's text as words and pieces of scaffolding."""
+
+    words: str
+    pieces: tuple[Piece, ...] = ()
+
+
+def paragraphs(text: str) -> list[str]:
+    """``text`` cut after each blank line (the blank lines stay with the paragraph before):
+    ``"".join(paragraphs(t)) == t``."""
+    out: list[str] = []
+    start = 0
+    for m in _PARAGRAPH_END.finditer(text):
+        out.append(text[start : m.end()])
+        start = m.end()
+    if start < len(text):
+        out.append(text[start:])
+    return out
+
+
+def made_up(text: str) -> str | None:
+    """The kind of client-written message ``text`` is (``retry``, ``handoff``), or None."""
+    core = text.strip(_SPACE)
+    for kind, pattern in _MADE_UP:
+        if pattern.search(core):
+            return kind
+    return None
+
+
+def split(role: str, text: str, known: Callable[[str], bool] | None = None) -> Split:
+    """``text`` of a message of ``role`` as words and scaffolding. ``known(hash)``: whether a
+    long paragraph of a user message is known scaffolding (seen in another session)."""
+    if role in SYSTEM_ROLES:
+        return Split("", tuple(Piece("system", p, 0) for p in paragraphs(text) if p))
+    if role != "user" or not text:
+        return Split(text)
+    if made_up(text):
+        return Split("", (Piece(made_up(text) or "retry", text, 0),))
+    segments: list[tuple[str | None, str]] = []  # (kind, text); None: words
+    pos = 0
+    if "<" in text:
+        for m in _BLOCKS.finditer(text):
+            end = _TRAILING.match(text, m.end())
+            stop = end.end() if end is not None else m.end()
+            segments += _word_segments(text[pos : m.start()], known)
+            segments.append((_BLOCK_KINDS[(m.lastindex or 1) - 1], text[m.start() : stop]))
+            pos = stop
+    segments += _word_segments(text[pos:], known)
+    if len(segments) == 1 and segments[0][0] is None:
+        return Split(text)
+    words = "".join(t for kind, t in segments if kind is None)
+    if made_up(words):  # the blocks wrapped a retry: the whole message is the client's
+        return Split("", (Piece(made_up(words) or "retry", text, 0),))
+    pieces: list[Piece] = []
+    at = 0
+    for kind, t in segments:
+        if kind is None:
+            at += len(t)
+        else:
+            pieces.append(Piece(kind, t, at))
+    return Split(words, tuple(pieces))
+
+
+def _word_segments(text: str, known: Callable[[str], bool] | None) -> list[tuple[str | None, str]]:
+    if not text:
+        return []
+    if known is None or len(text) < REPEAT_MIN:
+        return [(None, text)]
+    out: list[tuple[str | None, str]] = []
+    for p in paragraphs(text):
+        core = core_of(p)
+        kind = "repeated" if len(core) >= REPEAT_MIN and known(digest(core)) else None
+        if kind is None and out and out[-1][0] is None:
+            out[-1] = (None, out[-1][1] + p)
+        else:
+            out.append((kind, p))
+    return out
+
+
+def long_paragraphs(words: str) -> list[str]:
+    """Hashes of the paragraphs of ``words`` long enough for repetition to count."""
+    if len(words) < REPEAT_MIN:
+        return []
+    out = []
+    for p in paragraphs(words):
+        core = core_of(p)
+        if len(core) >= REPEAT_MIN:
+            out.append(digest(core))
+    return out
+
+
+def join(words: str, pieces: tuple[Piece, ...] | list[Piece]) -> str:
+    """The text as sent: ``words`` with each piece put back where it stood."""
+    if not pieces:
+        return words
+    out: list[str] = []
+    pos = 0
+    for p in pieces:
+        out += (words[pos : p.at], p.text)
+        pos = p.at
+    out.append(words[pos:])
+    return "".join(out)
+
+
+def words_of(role: str, text: str) -> str:
+    """The words of a message by shape alone (no repetition): what a query or a recalled turn
+    stored before scaffolding was split off reads as."""
+    if role in SYSTEM_ROLES:
+        return ""
+    if role != "user" or not text or ("<" not in text and made_up(text) is None):
+        return text
+    return split(role, text).words
+
+
+def archived(
+    role: str, text: str, known: Callable[[str], bool] | None = None
+) -> tuple[str, tuple[Scaffold, ...], tuple[str, ...]]:
+    """What a message's (redacted) ``text`` is archived as: its words, its pieces of
+    scaffolding as the store keeps them, and the hashes of a user's long paragraphs (their
+    sightings, :func:`proxy.store.scaffolds.known_paragraphs`)."""
+    cut = split(role, text, known)
+    pieces = tuple(Scaffold(p.hash, p.kind, p.core, p.at, p.lead, p.trail) for p in cut.pieces)
+    sightings = tuple(long_paragraphs(cut.words)) if role == "user" else ()
+    return cut.words, pieces, sightings
