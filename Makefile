@@ -7,7 +7,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 E2E_STAMP := $(VENV)/.installed-e2e
 ARGS ?=
 
-.PHONY: run install dev e2e-deps browser-deps test lint format typecheck bench config clean
+.PHONY: run install dev e2e-deps browser-deps agents-deps test lint format typecheck bench config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +56,15 @@ browser-deps:
 		echo "note: no Chromium, and no root apt-get to install it: the browser test will skip"; \
 	fi
 
+## The real coding agents the agent tests drive (tests/agents): Claude Code, Codex and opencode at
+## the versions pinned in testing/agents.pins, from the npm registry (install scripts off), once per
+## pin set into ~/.cache/engram/agents/<pins>/ (about 1.2 GB). Without npm the tests skip (fail
+## under CI=true).
+agents-deps: $(BIN)/python
+	$(BIN)/python -m testing.agents_install
+
 ## Run the whole test suite
-test: e2e-deps browser-deps
+test: e2e-deps browser-deps agents-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(DEV_STAMP)

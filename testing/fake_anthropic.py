@@ -231,6 +231,8 @@ def messages_routes(fake: FakeUpstream) -> dict[tuple[str, str], Handler]:
         if fake.strict_templates and (problems := template_violations(chat)):
             return _json_error(500, "; ".join(problems), "api_error")
         prompt = sum(rough_tokens(_plain(m.get("content"))) for m in chat)
+        if (over := fake.over_context(prompt, payload)) is not None:
+            return over
         text = f"echo: {last_user_text(chat)}"
         model = str(payload.get("model") or fake.model)
         usage = anthropic_usage(prompt, rough_tokens(text))

@@ -260,6 +260,8 @@ class FakeResponses:
         text = f"echo: {last_user_text(messages)}"
         model = str(payload.get("model") or self.fake.model)
         prompt = sum(rough_tokens(_text(m.get("content"))) for m in messages)
+        if (over := self.fake.over_context(prompt, payload)) is not None:
+            return over
         rid = response_id(body)
         resp = response([message_item(text)], model=model, rid=rid, input_tokens=prompt)
         if payload.get("store") is not False:

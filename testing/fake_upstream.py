@@ -155,7 +155,9 @@ class FakeUpstream:
         self.flavor = flavor
         self.n_ctx = n_ctx
         self.strict_templates = strict_templates
-        self.enforce_ctx = enforce_ctx  # llamacpp: 400 exceed_context_size_error past n_ctx
+        # llamacpp: 400 exceed_context_size_error past n_ctx, tool definitions counted (every
+        # chat API: chat completions, Messages, Responses)
+        self.enforce_ctx = enforce_ctx
         self.model = model
         self.record = record
         # Like llama-server: after each streamed reply, read nothing more on that connection and
@@ -307,6 +309,24 @@ class FakeUpstream:
             transport.pause_reading()
         asyncio.get_running_loop().call_later(delay, transport.close)
 
+    def over_context(self, prompt_tokens: int, payload: dict[str, Any]) -> web.Response | None:
+        """With ``enforce_ctx``, llama-server's 400 for a prompt past ``n_ctx``: the messages'
+        tokens plus the tool definitions, which a chat template renders into the prompt."""
+        if not self.enforce_ctx or self.flavor != "llamacpp":
+            return None
+        tools = payload.get("tools")
+        n = prompt_tokens + (rough_tokens(json.dumps(tools)) if tools else 0)
+        if n <= self.n_ctx:
+            return None
+        return self._error(
+            400,
+            f"request ({n} tokens) exceeds the available context size ({self.n_ctx} tokens), "
+            "try increasing it",
+            "exceed_context_size_error",
+            n_prompt_tokens=n,
+            n_ctx=self.n_ctx,
+        )
+
     def _error(self, status: int, message: str, type_: str, **extra: int) -> web.Response:
         if self.flavor == "llamacpp":
             body = llamacpp_error(message, status, type_, **extra)
@@ -337,14 +357,8 @@ class FakeUpstream:
         prompt_tokens = sum(
             rough_tokens(text_of(m.get("content"))) for m in messages if isinstance(m, dict)
         )
-        if self.enforce_ctx and self.flavor == "llamacpp" and prompt_tokens > self.n_ctx:
-            return self._error(
-                400,
-                "the request exceeds the available context size, try increasing it",
-                "exceed_context_size_error",
-                n_prompt_tokens=prompt_tokens,
-                n_ctx=self.n_ctx,
-            )
+        if (over := self.over_context(prompt_tokens, payload)) is not None:
+            return over
         text = f"echo: {last_user_text(messages)}"
         model = str(payload.get("model") or self.model)
         usage = make_usage(prompt_tokens, rough_tokens(text))

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from proxy import scaffold
@@ -129,8 +129,11 @@ class Archive:
         redact_secrets: bool,
         max_bytes: int = 0,
         quota: TurnQuota | None = None,
+        on_repeated: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
+        # Told the user whose paragraph became scaffolding by repetition (recall's cache).
+        self.on_repeated = on_repeated
         self.indexer = indexer
         self.redact_secrets = redact_secrets
         self.max_bytes = max_bytes  # limits.max_message_bytes
@@ -216,6 +219,10 @@ class Archive:
                 lambda c: commit_turns(c, placement, rows, now)
             )
             self.archived_turns += len(inserted)
+            if self.on_repeated is not None and any(
+                p.kind == "repeated" for _, r in inserted for p in r.scaffold
+            ):
+                self.on_repeated(user)
             if self.quota is not None:
                 self.quota.add(user, len(inserted))
             if session.id != placement.session.id:

@@ -88,7 +88,12 @@ class MemoryService:
         limits = settings.limits
         self.quota = TurnQuota(store, limits.max_turns_per_user)
         self.archive = Archive(
-            store, indexer, settings.memory.redact_secrets, limits.max_message_bytes, self.quota
+            store,
+            indexer,
+            settings.memory.redact_secrets,
+            limits.max_message_bytes,
+            self.quota,
+            self.recall.forget_repeated,
         )
         self._throttle = Throttle()
         extra = settings.memory.housekeeping_patterns

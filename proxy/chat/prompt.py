@@ -38,7 +38,6 @@ SUMMARY_PREAMBLE = "Summary of the earlier part of this conversation (older turn
 # Assembly notes: what the assembler had to do (see :func:`assemble`).
 OVER_BUDGET = "over-budget"
 MEMORY_DROPPED = "memory-dropped"
-HISTORY_CUT = "history-cut"
 
 
 @dataclass(frozen=True)
@@ -156,11 +155,12 @@ def assemble(
     so the forwarded prefix stays byte-identical for many turns between cuts.
 
     Memory never makes the request worse than none: when the system messages and the current
-    turn alone exceed the budget the messages go as sent, without memory (``over_budget``); a
-    cut that would keep nothing of the history while no summary stands for it forwards the
-    conversation whole instead when it fits, leaving the memory block out if it does not fit
-    beside (``memory_dropped``: the caller may offer a smaller one); only a conversation that
-    does not fit at all is cut that far (``history_cut``)."""
+    turn alone exceed the budget the messages go as sent, without memory (note
+    :data:`OVER_BUDGET`). The history is never cut to nothing unless the summary stands for it:
+    such a cut forwards the conversation whole instead, leaving the memory block out if it does
+    not fit beside (:data:`MEMORY_DROPPED`: the caller may offer a smaller one), and as sent,
+    without memory, when even that does not fit (:data:`OVER_BUDGET`): the upstream then takes
+    or refuses it as it would without Engram."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     msgs = list(messages)
@@ -187,12 +187,16 @@ def assemble(
     history_systems = [i for i in range(first, cur) if is_system(msgs[i])]
     fixed = sum(sizes[:first]) + sum(sizes[i] for i in history_systems) + sum(sizes[cur:])
     notes: list[str] = []
-    if budget is not None and fixed > budget:  # nothing Engram could do makes it fit
+
+    def as_sent() -> Assembly:
         sent = [
             Part("primacy" if i < first else "recency", "system" if i < first else "sent", i)
             for i in range(n)
         ]
         return Assembly(msgs, sent, False, 0, original, original, first, [OVER_BUDGET])
+
+    if budget is not None and fixed > budget:  # nothing Engram could do makes it fit
+        return as_sent()
     history = any(not is_system(msgs[i]) for i in range(first, cur))
 
     whole = budget is None or original + mem_cost <= whole_share * budget
@@ -212,7 +216,7 @@ def assemble(
                 whole, start, memory_block, mem_cost = True, first, "", 0
                 notes.append(MEMORY_DROPPED)
             else:
-                notes.append(HISTORY_CUT)
+                return as_sent()
     if whole or start == first:  # nothing aged (or everything fitted after all): no summary
         summary = None
 

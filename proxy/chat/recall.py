@@ -208,6 +208,10 @@ class Recall:
                     out.append(dataclasses.replace(m, content=words) if words != m.content else m)
         return out
 
+    def forget_repeated(self, user: str) -> None:
+        """The user's repeated paragraphs changed (the archive made one scaffolding)."""
+        self._repeated.pop(user)
+
     async def repeated(self, user: str, turns: Sequence[Turn]) -> frozenset[str]:
         """The user's paragraphs that became scaffolding by repetition, read (and kept a
         while) only when a recalled turn is long enough to hold one."""

@@ -22,7 +22,6 @@ from proxy.background.summarizer import Summarizer
 from proxy.cache import LRU, SizedLRU
 from proxy.chat.fence import Recalled, block_tag, memory_block
 from proxy.chat.prompt import (
-    HISTORY_CUT,
     MEMORY_DROPPED,
     OVER_BUDGET,
     Assembly,
@@ -170,8 +169,8 @@ class Rewriter:
         kept = self.recall.not_in(memories, mt.messages[final.window_start :])
         if len(kept) != len(memories):  # the final window holds some: drop them, assemble again
             final = self.assemble(mt, kept, budget, count, count_text)
-        if HISTORY_CUT in final.notes and mt.memory_note is None:
-            mt.memory_note = HISTORY_CUT
+        if OVER_BUDGET in final.notes:  # as sent after all: nothing of it fits cut
+            mt.injected, mt.memory_note = [], OVER_BUDGET
         if view is not mt.messages:  # the client's own count, before its outputs became slots
             final.original_tokens = sum(count(m) for m in mt.messages)
         mt.assembly = final

@@ -103,6 +103,9 @@ def test_assembly_properties(
         summary="They planned a trip." if with_summary else None,
     )
     fwd = out.messages
+    if out.notes == ["over-budget"]:  # nothing of it fits cut: as sent, without memory
+        assert fwd == msgs and not out.rewritten
+        return
     # Strict chat-template rules hold.
     assert not template_violations(fwd), (template_violations(fwd), fwd)
     # The original system text is a byte-identical prefix.
@@ -234,9 +237,10 @@ def test_the_current_turn_is_everything_after_the_last_reply() -> None:
         ("user", "<environment_context><cwd>/new</cwd></environment_context>"),
         ("user", "where am I?"),
     )
-    out = assemble(msgs, budget=40, count=count, count_text=tok)
-    assert out.messages == [msgs[0], msgs[3], msgs[4]]
-    assert [p.source for p in out.parts] == ["system", "current", "current"]
+    out = assemble(msgs, budget=60, count=count, count_text=tok, summary="asked before")
+    assert out.messages[0] == msgs[0] and out.messages[2:] == [msgs[4]]
+    assert content_text(out.messages[1]["content"]).endswith(msgs[3]["content"])
+    assert [p.source for p in out.parts] == ["system", "summary+current", "current"]
 
 
 def test_system_messages_inside_the_history_are_never_aged_out() -> None:
@@ -280,7 +284,11 @@ def test_the_history_is_never_cut_to_nothing_when_it_fits_without_memory() -> No
     assert out.rewritten and out.notes == []
 
 
-def test_a_conversation_too_big_even_without_memory_is_cut_and_says_so() -> None:
+def test_a_history_that_fits_only_cut_to_nothing_goes_as_sent() -> None:
     msgs = chat(("system", "S"), ("user", "q1 " * 400), ("assistant", "a1"), ("user", "q2"))
-    out = assemble(msgs, budget=60, count=count, count_text=tok)
-    assert out.messages == [msgs[0], msgs[-1]] and out.notes == ["history-cut"]
+    out = assemble(msgs, budget=60, count=count, count_text=tok, memory_block="MEM")
+    assert out.messages == msgs and out.notes == ["over-budget"]
+    # With a summary standing for it, the history may be folded away.
+    out = assemble(msgs, budget=60, count=count, count_text=tok, summary="q1 was long")
+    assert out.rewritten and msgs[1] not in out.messages and out.notes == []
+    assert out.messages[-1] == msgs[-1]

@@ -156,7 +156,7 @@ def test_the_known_clients_housekeeping_is_recognised() -> None:
                 "You are performing a CONTEXT "
                 "CHECKPOINT COMPACTION. Create a handoff summary for another LLM.",
             ),
-        ),  # fmt: skip
+        ),
         # Continue, LibreChat, Open WebUI.
         msgs(("user", "Given the following... please reply with a title for the chat that is 3")),
         msgs(("user", "Please generate a concise, 5-word-or-less title for the conversation")),
