@@ -89,6 +89,7 @@ class TokenCounter:
         # the text: a forgotten turn's words do not linger in memory.
         self._memo: dict[bytes, int] = {}
         self._ratio: dict[str, float] = {}
+        self._rendered: dict[str, float] = {}  # model -> share of tool definitions it renders
         self._lock = threading.Lock()
 
     def _count(self, text: str) -> int:
@@ -116,16 +117,31 @@ class TokenCounter:
         """Uncorrected tiktoken count (what corrections are learned against)."""
         return self._count(text)
 
-    def learn(self, model: str | None, estimated: int, reported: int) -> None:
+    def learn(self, model: str | None, estimated: int, reported: int, rendered: int = 0) -> None:
         """Fold in an upstream report: ``reported`` prompt tokens where we counted
-        ``estimated``. A moving average, so one odd request does not swing budgets."""
+        ``estimated`` for the messages and ``rendered`` for tool definitions (uncorrected). A
+        request without tools corrects the model's factor; one with tools tells how much of them
+        its chat template renders (what it spent beyond the messages; many small models' templates
+        leave tools out). Moving averages, so one odd request does not swing budgets."""
         if estimated <= 0 or reported <= 0:
             return
-        sample = min(4.0, max(0.25, reported / estimated))
         key = model or ""
+        if rendered > 0:
+            f = self.factor(model)
+            share = min(1.5, max(0.0, (reported - f * estimated) / (f * rendered)))
+            with self._lock:
+                old = self._rendered.get(key)
+                self._rendered[key] = share if old is None else 0.7 * old + 0.3 * share
+            return
+        sample = min(4.0, max(0.25, reported / estimated))
         with self._lock:
             old = self._ratio.get(key)
             self._ratio[key] = sample if old is None else 0.8 * old + 0.2 * sample
+
+    def rendered_share(self, model: str | None) -> float:
+        """How much of the tool definitions ``model``'s chat template renders, as learned
+        (:meth:`learn`); all of them until the upstream has said."""
+        return self._rendered.get(model or "", 1.0)
 
     def ratio(self, model: str | None) -> float | None:
         return self._ratio.get(model or "")

@@ -233,9 +233,9 @@ def messages_routes(fake: FakeUpstream) -> dict[tuple[str, str], Handler]:
         prompt = sum(rough_tokens(_plain(m.get("content"))) for m in chat)
         if (over := fake.over_context(prompt, payload)) is not None:
             return over
-        text = f"echo: {last_user_text(chat)}"
+        text = fake.reply_text(last_user_text(chat))
         model = str(payload.get("model") or fake.model)
-        usage = anthropic_usage(prompt, rough_tokens(text))
+        usage = anthropic_usage(fake.prompt_tokens(prompt, payload), rough_tokens(text))
         if payload.get("stream"):
             from testing.fake_upstream import StreamReply
 

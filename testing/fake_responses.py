@@ -257,13 +257,14 @@ class FakeResponses:
             return self._bad(str(exc))
         if self.fake.strict_templates and (problems := template_violations(messages)):
             return self.fake._error(500, "; ".join(problems), "server_error")
-        text = f"echo: {last_user_text(messages)}"
+        text = self.fake.reply_text(last_user_text(messages))
         model = str(payload.get("model") or self.fake.model)
         prompt = sum(rough_tokens(_text(m.get("content"))) for m in messages)
         if (over := self.fake.over_context(prompt, payload)) is not None:
             return over
         rid = response_id(body)
-        resp = response([message_item(text)], model=model, rid=rid, input_tokens=prompt)
+        tokens = self.fake.prompt_tokens(prompt, payload)
+        resp = response([message_item(text)], model=model, rid=rid, input_tokens=tokens)
         if payload.get("store") is not False:
             items = payload["input"]
             items = [{"role": "user", "content": items}] if isinstance(items, str) else items

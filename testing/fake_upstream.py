@@ -145,6 +145,7 @@ class FakeUpstream:
         n_ctx: int = 4096,
         strict_templates: bool = False,
         enforce_ctx: bool = False,
+        renders_tools: bool = True,
         model: str = "fake-model",
         record: bool = True,
         close_after_stream: float | None = None,
@@ -158,6 +159,13 @@ class FakeUpstream:
         # llamacpp: 400 exceed_context_size_error past n_ctx, tool definitions counted (every
         # chat API: chat completions, Messages, Responses)
         self.enforce_ctx = enforce_ctx
+        # Whether the chat template renders tool definitions into the prompt (SmolLM2's does
+        # not): counted in the context and in the usage reported, or in neither.
+        self.renders_tools = renders_tools
+        self.last_prompt_tokens = 0  # of the last chat request, as counted against n_ctx
+        # What a chat reply says, given the last user message's text (chat completions,
+        # Messages, Responses): its echo, unless a test wants a model's words.
+        self.reply_text: Callable[[str], str] = lambda last: f"echo: {last}"
         self.model = model
         self.record = record
         # Like llama-server: after each streamed reply, read nothing more on that connection and
@@ -309,13 +317,20 @@ class FakeUpstream:
             transport.pause_reading()
         asyncio.get_running_loop().call_later(delay, transport.close)
 
+    def prompt_tokens(self, messages_tokens: int, payload: dict[str, Any]) -> int:
+        """The prompt's tokens: the messages', plus the tool definitions' when the chat template
+        renders them (``renders_tools``), as ``usage`` reports them."""
+        tools = payload.get("tools")
+        rendered = rough_tokens(json.dumps(tools)) if tools and self.renders_tools else 0
+        self.last_prompt_tokens = messages_tokens + rendered
+        return self.last_prompt_tokens
+
     def over_context(self, prompt_tokens: int, payload: dict[str, Any]) -> web.Response | None:
-        """With ``enforce_ctx``, llama-server's 400 for a prompt past ``n_ctx``: the messages'
-        tokens plus the tool definitions, which a chat template renders into the prompt."""
+        """With ``enforce_ctx``, llama-server's 400 for a prompt (:meth:`prompt_tokens`: tools
+        counted where rendered) past ``n_ctx``."""
         if not self.enforce_ctx or self.flavor != "llamacpp":
             return None
-        tools = payload.get("tools")
-        n = prompt_tokens + (rough_tokens(json.dumps(tools)) if tools else 0)
+        n = self.prompt_tokens(prompt_tokens, payload)
         if n <= self.n_ctx:
             return None
         return self._error(
@@ -359,9 +374,9 @@ class FakeUpstream:
         )
         if (over := self.over_context(prompt_tokens, payload)) is not None:
             return over
-        text = f"echo: {last_user_text(messages)}"
+        text = self.reply_text(last_user_text(messages))
         model = str(payload.get("model") or self.model)
-        usage = make_usage(prompt_tokens, rough_tokens(text))
+        usage = make_usage(self.prompt_tokens(prompt_tokens, payload), rough_tokens(text))
         if payload.get("stream"):
             opts = payload.get("stream_options") or {}
             with_usage = usage if isinstance(opts, dict) and opts.get("include_usage") else None

@@ -302,7 +302,10 @@ class ChatPipeline:
             if chars > THREAD_CHARS
             else tokens.messages(messages)
         )
-        tokens.learn(turn.conv.model, estimated, reported)
+        rendered = (
+            self.memory.rewriter.rendered_raw(turn.conv.rendered) if turn.conv.rendered else 0
+        )
+        tokens.learn(turn.conv.model, estimated, reported, rendered)
 
     async def _expand(
         self, request: web.Request, turn: ChatTurn, expander: Expander, mt: MemoryTurn

@@ -190,15 +190,21 @@ class Rewriter:
             self.last_requests[sid] = (time.time(), final)
 
     def rendered_tokens(self, rendered: Sequence[Any], model: str | None) -> int:
-        """Tokens the upstream spends on ``rendered`` (tool definitions, as JSON), remembered by
-        their hash: clients send the same tools on every request."""
+        """Tokens the upstream spends on ``rendered`` (tool definitions): their JSON's tokens,
+        corrected for the model, times the share of them its chat template renders (learned
+        from the ``usage`` it reports: :meth:`proxy.tokens.TokenCounter.learn`)."""
+        t = self.tokens
+        return round(self.rendered_raw(rendered) * t.factor(model) * t.rendered_share(model))
+
+    def rendered_raw(self, rendered: Sequence[Any]) -> int:
+        """Uncorrected tokens of ``rendered`` as JSON, remembered by its hash: clients send the
+        same tools on every request."""
         text = json.dumps(rendered, ensure_ascii=False, separators=(", ", ": "))
         key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
         n = self._raw_counts.get(key)
         if n is None:
-            n = self.tokens.raw(text)
-            self._raw_counts[key] = n
-        return round(n * self.tokens.factor(model))
+            n = self._raw_counts[key] = self.tokens.raw(text)
+        return n
 
     async def budget(
         self, reply_tokens: int | None, model: str | None, context_size: int | None = None

@@ -261,3 +261,31 @@ async def _codex_sessions(
     sent = fake8k.requests[-1].body.decode()
     assert "/home/me/new-project" in sent
     assert "/home/me/old-project" not in sent
+
+
+async def test_a_template_that_leaves_tools_out_is_learned_and_memories_come_back(
+    http: aiohttp.ClientSession,
+) -> None:
+    """SmolLM2's chat template renders no tools: Claude Code's 8,000 tokens of them are not in
+    its prompt. Engram counts them until the upstream's usage says otherwise, then the same
+    request gets memories."""
+    async with FakeUpstream(n_ctx=8192, enforce_ctx=True, renders_tools=False) as fake:
+        engram = await start_engram(fake.url)
+        try:
+            await tell_the_fact(http, engram)
+            body = {
+                "model": "m",
+                "max_tokens": 32000,
+                "tools": [anthropic_tool(f"tool{i}", 8000) for i in range(4)],  # ~8,000 tokens
+                "messages": [{"role": "user", "content": QUESTION}],
+            }
+            got = []
+            for _ in range(2):
+                headers = {"X-Engram-User": "u"}
+                async with http.post(engram.url + "/v1/messages", json=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+                    got.append(memories(r))
+            assert got[0] == (0, "over-budget")  # tools counted: no room
+            assert got[1][0] >= 1 and "Porto" in fake.requests[-1].body.decode()
+        finally:
+            await engram.close()

@@ -80,3 +80,16 @@ def test_the_count_memo_keeps_digests_not_texts() -> None:
     for memo in memos:
         assert memo and all(isinstance(k, bytes) and len(k) == 16 for k in memo)
         assert not any(secret in repr(k) for k in memo)
+
+
+def test_how_much_of_the_tools_a_model_renders_is_learned_from_its_reports() -> None:
+    c = TokenCounter()
+    assert c.rendered_share("smol") == 1.0  # until the upstream says: all of them
+    c.learn("smol", 100, 100)  # without tools: the factor (1.0)
+    c.learn("smol", 100, 100, rendered=400)  # tools sent, nothing spent on them
+    assert c.rendered_share("smol") == 0.0
+    assert c.factor("smol") == 1.0  # the factor is not disturbed by requests with tools
+    c.learn("qwen", 100, 100)
+    for _ in range(10):
+        c.learn("qwen", 100, 500, rendered=400)  # a template that renders them all
+    assert abs(c.rendered_share("qwen") - 1.0) < 0.05
