@@ -2,10 +2,13 @@
 
 Two passes of rules over the text. First the shapes of known secrets
 (:mod:`proxy.redact_rules`: vendor tokens, private key blocks, passwords in URLs, credential
-headers), each run only when one of its keywords occurs in the text. Then assignments whose name
-says secret — ``DB_PASSWORD=…``, ``"apiKey": "…"``, ``client_secret: …`` — where the value is
-redacted when it looks like one: any real value for a password, a random-looking one (Shannon
-entropy, length, character classes) for tokens and keys. Placeholders, code
+headers), each run only when one of its keywords occurs in the text. Then the words that say
+secret, one search for each spelling of each: assignments — ``DB_PASSWORD=…``, ``"apiKey": "…"``,
+``client_secret: …`` — whose value is redacted when it looks like one: any real value for a
+password, a random-looking one (Shannon entropy, length, character classes) for tokens and keys;
+where no assignment is, secrets named in prose — "and its secret key is …", "my GitHub token
+(the new one) is …", "the password for the db: …": a phrase, a connector, one token, redacted
+when it looks generated (a password: when it is no word). Placeholders, code
 (``token = tokenizer.encode(x)``), paths, URLs and plain words are left alone, so ordinary prose
 and code read the same after redaction.
 
@@ -23,6 +26,7 @@ import re
 import threading
 from collections import Counter
 
+from proxy import redact_rules as shapes
 from proxy.cache import LRU
 from proxy.redact_rules import RULES, WORDLIKE, Rule
 
@@ -84,90 +88,12 @@ def _apply(rule: Rule, text: str) -> str:
 
 # --- assignments whose name says secret -------------------------------------------------------
 
-# A name part that says secret, then the rest of the name, a separator and a value (quoted, or
-# up to the next space or punctuation). The whole name is read in :func:`_assignment`.
-# One pattern per spelling of each word (a literal first keeps the engine's fast search).
-_ASSIGNMENT_TAIL = (
-    r"(?P<rest>[A-Za-z0-9_.\-]{0,40})"
-    r"(?P<kq>\\?[\"'])?"
-    r"(?P<sep>[ \t]{0,4}(?::=|=>|=|:)[ \t]{0,4})"
-    r"(?:(?P<vq>\\?[\"'`])(?P<q>[^\"'`\\\r\n]{1,1000})(?P=vq)"
-    r"|(?P<u>[^\s\"'`,;&<>()\[\]{}|\\]{1,1000}))"
-)
-_ASSIGNMENTS = tuple(
-    re.compile(re.escape(spelling) + _ASSIGNMENT_TAIL)
-    for word in ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig")
-    for spelling in dict.fromkeys((word, word.capitalize(), word.upper()))
-)
 _NAME_BEFORE = re.compile(r"[A-Za-z0-9_.\-]{0,40}$")
 _WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
-_PASSWORD_WORDS = frozenset({"password", "passwd", "pwd", "passphrase", "passw", "pword"})
-_CREDENTIAL_WORDS = frozenset(
-    {"auth", "authorization", "oauth", "credential", "credentials", "creds", "cred"}
-)
-_SIGNATURE_WORDS = frozenset({"sig", "signature"})
-# Words before "key" that make it a secret key.
-_KEY_QUALIFIERS = frozenset(
-    {
-        "api", "access", "private", "secret", "signing", "sign", "encryption", "encrypt", "enc",
-        "decryption", "master", "license", "licence", "client", "app", "account", "service",
-        "shared", "consumer", "session", "subscription", "webhook", "hmac", "jwt", "admin",
-        "root", "deploy", "storage", "auth", "ssh", "gpg", "pgp", "rsa", "aes", "cipher",
-        "crypto", "x", "openai", "anthropic", "stripe", "aws", "azure", "gcp", "google",
-    }
-)  # fmt: skip
-# A name with one of these words names something about a secret, not the secret.
-_NOT_SECRET_ANY = frozenset(
-    {
-        "max", "min", "num", "count", "public", "pub", "csrf", "xsrf", "tokenizer", "tokenize",
-        "tokenized", "keyboard", "keyword", "keywords", "keypress", "keydown", "keyup", "hotkey",
-        "monkey", "turkey", "donkey", "hockey", "passed", "passing", "passage", "passenger",
-        "bypass", "compass", "secretary", "author", "authors", "authority", "authored",
-        "foreign", "primary", "sort", "partition", "design", "assign", "signal", "signals",
-    }
-)  # fmt: skip
-# ... and so does a name ending in one of these.
-_NOT_SECRET_LAST = frozenset(
-    {
-        "count", "counts", "length", "len", "size", "limit", "limits", "type", "types", "kind",
-        "mode", "method", "methods", "id", "ids", "name", "names", "url", "uri", "urls",
-        "endpoint", "host", "file", "files", "path", "paths", "dir", "env", "var", "header",
-        "headers", "field", "fields", "policy", "provider", "enabled", "required", "expiry",
-        "expires", "expiration", "expire", "ttl", "timeout", "version", "format", "prefix",
-        "suffix", "index", "usage", "budget", "ratio", "rate", "used", "left", "remaining",
-        "source", "location", "label", "hint", "prompt", "help", "regex", "pattern", "schema",
-        "template", "placeholder", "position", "pos", "start", "end", "offset", "at", "date",
-        "time", "example", "description", "desc", "class", "fn", "func", "callback",
-        "handler", "strength", "reset", "hash", "algorithm", "alg", "scheme",
-    }
-)  # fmt: skip
-_PLACEHOLDERS = frozenset(
-    {
-        "null", "none", "nil", "true", "false", "undefined", "yes", "no", "on", "off",
-        "changeme", "password", "secret", "token", "redacted", "example", "xxx", "todo",
-        "your_password", "your-password", "required", "optional", "str", "string", "bytes",
-        "int", "bool", "any", "env", "hidden", "masked",
-    }
-)  # fmt: skip
-_PLACEHOLDER_START = (
-    "$",
-    "<",
-    "{",
-    "%",
-    "*",
-    "...",
-    "…",
-    "#{",
-    "@",
-    "[REDACTED",
-    "os.",
-    "process.",
-)
 _HEX_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+")
 _DOTTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_PATH_START = ("/", "./", "../", "~/", "http://", "https://", "file:")
 
 
 def _words(name: str) -> list[str]:
@@ -179,10 +105,14 @@ def secret_kind(name: str) -> str | None:
     ``password``, ``secret``, ``token``, ``api-key``, ``credential``, ``signature`` or ``key``
     (a bare ``key``: held to a stricter test of its value). None for other names."""
     words = _words(name)
-    if not words or words[-1] in _NOT_SECRET_LAST or not _NOT_SECRET_ANY.isdisjoint(words):
+    if (
+        not words
+        or words[-1] in shapes.NOT_SECRET_LAST
+        or not shapes.NOT_SECRET_ANY.isdisjoint(words)
+    ):
         return None
     if words[-1] == "pass" or any(
-        w in _PASSWORD_WORDS or w.endswith(("password", "passwd")) for w in words
+        w in shapes.PASSWORD_WORDS or w.endswith(("password", "passwd")) for w in words
     ):
         return "password"
     if any(w in ("secret", "secrets") or w.endswith("secret") for w in words):
@@ -192,15 +122,16 @@ def secret_kind(name: str) -> str | None:
         return "token"
     if any(w.endswith("apikey") for w in words) or _follows(words, "api", "key"):
         return "api-key"
-    if not _CREDENTIAL_WORDS.isdisjoint(words):
+    if not shapes.CREDENTIAL_WORDS.isdisjoint(words):
         return "credential"
-    if not _SIGNATURE_WORDS.isdisjoint(words):
+    if not shapes.SIGNATURE_WORDS.isdisjoint(words):
         return "signature"
+    key = "aws-secret" if "aws" in words else "secret-key"  # "the AWS access key"
     for i, w in enumerate(words):
-        if w == "key" and (i > 0 and words[i - 1] in _KEY_QUALIFIERS):
-            return "api-key" if words[i - 1] == "api" else "secret-key"
-        if w.endswith("key") and w[:-3] in _KEY_QUALIFIERS:
-            return "secret-key"
+        if w == "key" and (i > 0 and words[i - 1] in shapes.KEY_QUALIFIERS):
+            return "api-key" if words[i - 1] == "api" else key
+        if w.endswith("key") and w[:-3] in shapes.KEY_QUALIFIERS:
+            return key
     return "key" if words == ["key"] else None
 
 
@@ -234,10 +165,10 @@ def looks_random(value: str, *, strict: bool = False) -> bool:
 def _redact_value(kind: str, value: str, *, quoted: bool, env: bool) -> bool:
     low = value.lower()
     if (
-        value.startswith(_PLACEHOLDER_START)
-        or low in _PLACEHOLDERS
+        value.startswith(shapes.PLACEHOLDER_START)
+        or low in shapes.PLACEHOLDERS
         or len(set(value)) <= 2
-        or low.startswith(_PATH_START)
+        or _is_path(value)
     ):
         return False
     if kind == "password":
@@ -258,12 +189,28 @@ def _redact_value(kind: str, value: str, *, quoted: bool, env: bool) -> bool:
     return looks_random(value, strict=kind == "key")
 
 
+def _is_path(value: str) -> bool:
+    """A path or a URL, as opposed to a token that happens to start with ``/`` (one AWS secret
+    in 64 does): no ``+`` or ``=``, and every part between the slashes a name or in lower case
+    (``/run/secrets/db_password``, ``~/.config/openai``, ``/tmp/tmp8a9f3kx2``)."""
+    low = value.lower()
+    if not low.startswith(shapes.PATH_START):
+        return False
+    if "://" in low or low.startswith("file:"):
+        return True
+    return not ("+" in value or "=" in value) and all(
+        part.lower() == part or _name_like(part) for part in value.split("/")
+    )
+
+
 def _assignment(m: re.Match[str]) -> str:
     text, start = m.string, m.start()
     head = _NAME_BEFORE.search(text, max(0, start - 40), start)
     before = head.group(0) if head else ""
     name = before + text[start : m.start("rest")] + m.group("rest")
     kind = secret_kind(name)
+    if kind == "key" and not before:  # "Secret Access Key: …": the words before say which
+        kind = secret_kind("_".join([*(_qualifiers(text, start) or []), "key"])) or kind
     if kind is None:
         return m.group(0)
     quoted = m.group("q") is not None
@@ -290,6 +237,191 @@ def _line_start(text: str, i: int) -> bool:
     return line in ("", "export")
 
 
+# --- secrets named in prose (shapes.PROSE_TAIL, found in the assignments' search) ---------
+
+
+def _qualifiers(text: str, end: int) -> list[str] | None:
+    """The words before ``end`` in a secret's name ("the AWS secret key": ``aws``), up to a stop
+    word; None when they name something about it ("the length of the password")."""
+    lo = max(0, end - 120)
+    seg = text[lo:end]
+    if not seg or seg[-1] not in " \t":
+        return []
+    line = max(seg.rfind("\n"), seg.rfind("\r")) + 1
+    words = [w.strip("*_`").lower() for w in seg[line:].split()]  # "**API key**: …"
+    if line == 0 and lo > 0 and not seg[0].isspace():
+        words = words[1:]  # cut short by the segment's start
+    words = words[-6:]
+    i = len(words) - 1
+    out: list[str] = []
+    while i >= 0 and len(out) < 3 and words[i].isalnum() and words[i] not in shapes.PROSE_STOP:
+        out.insert(0, words[i])  # one word: "GitHub", "OpenAI"
+        i -= 1
+    while i >= 0 and words[i] in shapes.ARTICLES:
+        i -= 1
+    if i >= 1 and words[i] in ("of", "for"):  # "the hash of the token": of the hash
+        i -= 1
+        while i > 0 and words[i] in shapes.ARTICLES:
+            i -= 1
+        if words[i] in shapes.PROSE_NOT_SECRET:
+            return None
+    return out
+
+
+def _prose_kind(m: re.Match[str]) -> tuple[str, bool] | None:
+    """The kind of secret the phrase at ``m`` names, and whether it is more than a bare "token"."""
+    text, start = m.string, m.start()
+    head = _NAME_BEFORE.search(text, max(0, start - 40), start)
+    before = head.group(0) if head else ""
+    words = [shapes.SINGULAR.get(w, w) for w in _words(before + text[start : m.end("prest")])]
+    last = next((w for w in reversed(words) if len(w) > 2 and not w.isdigit()), "")  # "key_v2"
+    if not (last in shapes.PROSE_WORDS or last.endswith(shapes.PROSE_ENDINGS)):
+        return None  # not "ldap_parse_password_control", "secretKeyRef"
+    qualifiers = _qualifiers(text, start - len(before))
+    for item in m.group("gap").lower().split():  # the rest of the name: "secret access key"
+        w = item.removesuffix("'s").removesuffix("\u2019s")
+        w = shapes.SINGULAR.get(w, w)
+        if w not in shapes.PROSE_CONTINUE and w not in shapes.PROSE_NOT_SECRET:
+            break
+        words.append(w)
+        if w in shapes.PROSE_NOT_SECRET or item.endswith(("'s", "\u2019s")):  # "key's id"
+            break
+    gap = set(m.group("gap").lower().split())  # "the password hashing algorithm is …"
+    if qualifiers is None or words[-1] in shapes.PROSE_NOT_SECRET or gap & shapes.PROSE_ABOUT:
+        return None
+    kind = secret_kind("_".join(qualifiers + words))
+    if kind in (None, "key", "signature"):
+        return None
+    return kind, not shapes.WEAK_WORDS.issuperset(qualifiers + words)
+
+
+def _name_like(value: str) -> bool:
+    """A code or file name, its parts joined by ``._-`` (``tokenizer_config_v2.json``)."""
+    parts = [p for p in shapes.SEPARATORS.split(value) if p]
+    return bool(parts) and all(shapes.NAME_PART.fullmatch(p) for p in parts)
+
+
+def _plain_words(value: str) -> bool:
+    """Words in lower, Title or UPPER case ("auto-generated"), not ``PGAbbnMxyL-KBYG``."""
+    return WORDLIKE.fullmatch(value) is not None and all(
+        w.islower() or w.istitle() or w.isupper() for w in shapes.SEPARATORS.split(value) if w
+    )
+
+
+def _placeholder(value: str) -> bool:
+    if value.startswith(shapes.PLACEHOLDER_START) or value.lower() in shapes.PLACEHOLDERS:
+        return True
+    elided = any(s in value for s in ("...", "…", "://")) or _is_path(value)
+    return elided or len(set(value)) <= 2 or bool(shapes.PLACEHOLDER_WORDS.search(value))
+
+
+def _prose_token(value: str, *, strong: bool) -> bool:
+    """Whether ``value``, named a token, key or secret, looks generated: base64 or hex, 16
+    characters (20 after a bare "token"), no name, number or placeholder, and entropy near the
+    least of one random value in 1,000: 3.2 bits from 16 characters, 3.5 from 24; hex (4 bits at
+    most) 2.6 from 16, 3.0 from 24 (looks_random's 3.5 misses a random 32-digit key in 5)."""
+    if (
+        len(value) < (16 if strong else 20)
+        or not shapes.ALPHABET.fullmatch(value)
+        or shapes.DIGITS_AND_MARKS.fullmatch(value)
+        or _HEX_NUMBER.fullmatch(value)
+        or _placeholder(value)
+        or _name_like(value)
+    ):
+        return False
+    bits, digit = entropy(value), any(c.isdigit() for c in value)
+    if shapes.HEX.fullmatch(value):
+        return digit and not value.isdigit() and bits >= min(3.0, math.log2(len(value)) - 1.4)
+    upper, lower = any(c.isupper() for c in value), any(c.islower() for c in value)
+    enough = bits >= min(3.5, math.log2(len(value)) - 0.8)
+    return (upper or lower) and (digit or (upper and lower)) and enough
+
+
+def _prose_password(value: str) -> bool:
+    """Whether ``value``, named a password in prose, is one: 6 characters with a digit or a sign
+    but no code name, path, e-mail address, date, version, address or placeholder; or 8 letters
+    in mixed case, no words or name (``mHkdashjIkLg``; not ``correct-horse``, ``JavaScript``)."""
+    if not 6 <= len(value) <= 200 or _placeholder(value):
+        return False
+    if shapes.LETTERS_AND_SEPARATORS.fullmatch(value):
+        return len(value) >= 8 and not _plain_words(value) and not _name_like(value)
+    return not (
+        _DOTTED_NAME.fullmatch(value)
+        or shapes.CALL.match(value)
+        or shapes.EMAIL.fullmatch(value)
+        or (not value.isdigit() and shapes.DIGITS_AND_MARKS.fullmatch(value))
+    )
+
+
+def _value_span(t: re.Match[str]) -> tuple[int, int]:
+    """Where the value at ``t`` is: a long one (a private key's DER on one line) read on."""
+    if t.group("qv") is not None:
+        return t.span("qv")
+    start, end = t.span("v")
+    more = shapes.PROSE_MORE.match(t.string, end) if end - start == shapes.LONGEST else None
+    return start, more.end() if more else end
+
+
+def _prose(m: re.Match[str]) -> tuple[int, int, str] | None:
+    """The span and kind of the secret named in prose at ``m``, or None; after a value that is
+    none, the next connector's ("the password of the service account is …")."""
+    found: tuple[str, bool] | None = None
+    t: re.Match[str] | None = m
+    for _ in range(4):
+        assert t is not None
+        start, end = _value_span(t)
+        value = shapes.ENTITY.split(t.string[start:end], 1)[0]  # "is correct.&quot;"
+        end = start + len(value)
+        to = t.group("conn") != "to" or shapes.CHANGE.search(m.string, m.start() - 30, m.start())
+        if to and not _plain_words(value) and m.string[end : end + 1] not in ("(", "["):
+            found = found or _prose_kind(m)
+            if found is None:
+                return None
+            kind, strong = found
+            if t.group("qv") is None:  # a full stop after it
+                value = value.rstrip(".:" if kind == "password" else ".:!?")
+            if _prose_password(value) if kind == "password" else _prose_token(value, strong=strong):
+                return start, start + len(value), kind
+        t = shapes.PROSE_NEXT.match(m.string, t.end())
+        if t is None or t.start("conn") - m.end("prest") > 120:
+            return None
+    return None
+
+
+def _apply_named(pattern: re.Pattern[str], prose: re.Pattern[str] | None, text: str) -> str:
+    """Assignments and secrets named in prose after one spelling of a word, in one search for
+    it: at each place the assignment first, the prose reading when that finds no secret."""
+    if prose is None:
+        return pattern.sub(_assignment, text)
+    out: list[str] = []
+    done = pos = skip_start = skip_end = 0
+    while (m := pattern.search(text, pos)) is not None:
+        start = m.start()
+        if m.group("sep") is not None:  # an assignment
+            whole = _assignment(m)
+            if whole != m.group(0):
+                out += (text[done:start], whole)
+                done = pos = m.end()
+                continue
+            pos = m.end()  # as re.sub goes on
+            if (m := prose.match(text, start)) is None:
+                continue
+        elif skip_start <= start < skip_end:
+            pos = start + 1  # inside a value already judged ("the token is tokenizer.encode")
+            continue
+        found = _prose(m)
+        if found is None:
+            pos = max(pos, start + 1)
+            skip_start, skip_end = _value_span(m)
+            continue
+        out += (text[done : found[0]], mark(found[2]))
+        done = pos = found[1]
+    if not out:
+        return text
+    out.append(text[done:])
+    return "".join(out)
+
+
 # --- the pass -------------------------------------------------------------------------------
 
 
@@ -299,8 +431,8 @@ def redact(text: str) -> str:
         return text
     for rule in RULES:
         text = _apply(rule, text)
-    for pattern in _ASSIGNMENTS:
-        text = pattern.sub(_assignment, text)
+    for pattern, prose in shapes.NAMED:
+        text = _apply_named(pattern, prose, text)
     return text
 
 

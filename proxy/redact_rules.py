@@ -8,7 +8,8 @@ does not occur in a text costs about as much as ``literal in text``. A word boun
 just after the literal (``(?<![A-Za-z0-9]ghp_)``), never before it, which would turn the fast
 search off; a shape that has no leading literal (a Discord bot token) starts at a literal inside
 it and checks what precedes that with ``head``. Secrets assigned to a name (``api_key = …``,
-``"password": "…"``) are found by :mod:`proxy.redact` itself, with an entropy check.
+``"password": "…"``) or named in prose ("its secret key is …") are found by :mod:`proxy.redact`
+itself, with an entropy check; their words and patterns are here, after the rules.
 """
 
 from __future__ import annotations
@@ -187,9 +188,11 @@ RULES: tuple[Rule, ...] = (
         group=1,
         min_entropy=4.0,
     ),
+    # Not a placeholder (AKIA and sixteen X's): random ids carry more than 2.7 bits.
     _rule(
         "aws-access-key-id",
         r"A(?<![A-Za-z0-9]A)(?:KIA|SIA|BIA|CCA|3T[A-Z0-9])[A-Z0-9]{16}(?![A-Za-z0-9])",
+        min_entropy=2.5,
     ),
     _rule(
         "openai-key",
@@ -252,4 +255,192 @@ RULES: tuple[Rule, ...] = (
         _rule("basic-auth", flag + r"[ =]?[\"']?[^\s:'\"]+:([^\s'\"]{3,})", group=1)
         for flag in (" -u", "--user")
     ),
+)
+
+
+# --- the words of names and phrases that say secret (read in proxy.redact) -----------------
+
+PASSWORD_WORDS = frozenset({"password", "passwd", "pwd", "passphrase", "passw", "pword"})
+CREDENTIAL_WORDS = frozenset(
+    {"auth", "authorization", "oauth", "credential", "credentials", "creds", "cred"}
+)
+SIGNATURE_WORDS = frozenset({"sig", "signature"})
+# Words before "key" that make it a secret key.
+KEY_QUALIFIERS = frozenset(
+    {
+        "api", "access", "private", "secret", "signing", "sign", "encryption", "encrypt", "enc",
+        "decryption", "master", "license", "licence", "client", "app", "account", "service",
+        "shared", "consumer", "session", "subscription", "webhook", "hmac", "jwt", "admin",
+        "root", "deploy", "storage", "auth", "ssh", "gpg", "pgp", "rsa", "aes", "cipher",
+        "crypto", "x", "openai", "anthropic", "stripe", "aws", "azure", "gcp", "google",
+    }
+)  # fmt: skip
+# A name with one of these words names something about a secret, not the secret.
+NOT_SECRET_ANY = frozenset(
+    {
+        "max", "min", "num", "count", "public", "pub", "csrf", "xsrf", "tokenizer", "tokenize",
+        "tokenized", "keyboard", "keyword", "keywords", "keypress", "keydown", "keyup", "hotkey",
+        "monkey", "turkey", "donkey", "hockey", "passed", "passing", "passage", "passenger",
+        "bypass", "compass", "secretary", "author", "authors", "authority", "authored",
+        "foreign", "primary", "sort", "partition", "design", "assign", "signal", "signals",
+    }
+)  # fmt: skip
+# ... and so does a name ending in one of these.
+NOT_SECRET_LAST = frozenset(
+    {
+        "count", "counts", "length", "len", "size", "limit", "limits", "type", "types", "kind",
+        "mode", "method", "methods", "id", "ids", "name", "names", "url", "uri", "urls",
+        "endpoint", "host", "file", "files", "path", "paths", "dir", "env", "var", "header",
+        "headers", "field", "fields", "policy", "provider", "enabled", "required", "expiry",
+        "expires", "expiration", "expire", "ttl", "timeout", "version", "format", "prefix",
+        "suffix", "index", "usage", "budget", "ratio", "rate", "used", "left", "remaining",
+        "source", "location", "label", "hint", "prompt", "help", "regex", "pattern", "schema",
+        "template", "placeholder", "position", "pos", "start", "end", "offset", "at", "date",
+        "time", "example", "description", "desc", "class", "fn", "func", "callback",
+        "handler", "strength", "reset", "hash", "algorithm", "alg", "scheme",
+    }
+)  # fmt: skip
+PLACEHOLDERS = frozenset(
+    {
+        "null", "none", "nil", "true", "false", "undefined", "yes", "no", "on", "off",
+        "changeme", "password", "secret", "token", "redacted", "example", "xxx", "todo",
+        "your_password", "your-password", "required", "optional", "str", "string", "bytes",
+        "int", "bool", "any", "env", "hidden", "masked",
+    }
+)  # fmt: skip
+PLACEHOLDER_START = ("$", "<", "{", "%", "*", "...", "…", "#{", "@", "[REDACTED", "os.", "process.")
+PATH_START = ("/", "./", "../", "~/", "http://", "https://", "file:")
+
+# An assignment: after a word that says secret (the pattern's literal), the rest of the name, a
+# separator and a value (quoted, or up to the next space or punctuation). The whole name is
+# read in proxy.redact.
+ASSIGNMENT_TAIL = (
+    r"(?P<rest>[A-Za-z0-9_.\-]{0,40})"
+    r"(?P<kq>\\?[\"'])?"
+    r"(?P<sep>[ \t]{0,4}(?::=|=>|=|:)[ \t]{0,4})"
+    r"(?:(?P<vq>\\?[\"'`])(?P<q>[^\"'`\\\r\n]{1,1000})(?P=vq)"
+    r"|(?P<u>[^\s\"'`,;&<>()\[\]{}|\\]{1,1000}))"
+)
+
+# Secrets named in prose: "and its secret key is <value> (do not share)", "my GitHub token (the
+# new one) is <value>", "the password for the db: <value>". After a word that says secret (the
+# pattern's literal, in proxy.redact): the rest of the name, a possessive, closing markup; up
+# to five words or a parenthesis; a connector (a sign, a table's bar, a dash, or a word: "is",
+# "set to", "is now:"; the lookahead turns most words away at their first letter); one token,
+# quoted or not, with a digit, a sign or a capital after a small letter in it (the engine turns
+# plain words away itself: "is valid", "is stored in"). Its engine reads at most LONGEST.
+LONGEST = 256
+_QUOTES = "\"'`\u201c\u201d\u2018\u2019"  # straight and curly quotes, a backtick
+_DASHES = "\u2014|\u2013"  # an em dash, an en dash
+_IN_QUOTES = "[^\\s*" + _QUOTES + "]"
+_IN_VALUE = "[^\\s" + _QUOTES + "<>()\\[\\]{}|\\\\,;*]"
+
+
+def _not_plain(char: str) -> str:  # a lookahead for a value of ``char``s that is no plain word
+    other = char[2:-1]  # what the value may not hold
+    return f"(?={char}*?(?:[0-9]|[^A-Za-z0-9.:!?{other}]|[.:!?]{char}|[a-z][A-Z]))"
+
+
+_GAP = r"(?P<gap>(?:[ \t]{1,3}+(?:[A-Za-z0-9_'\u2019\-]{1,24}+|\([^()\r\n]{0,60}\))){0,5}?)"
+_CONNECTOR = (
+    r"[ \t]{0,3}+(?=[:=|\-\u2192\u21d2\u2014\u2013iwarebost])(?P<conn>:=|=>|->|\u2192|\u21d2"
+    rf"|=(?![=>])|:(?![:/])|\|(?!\|)|{_DASHES}|(?<=[ \t])(?:-{{1,2}}(?=[ \t])"
+    r"|(?:is|was|are|were|reads|equals|becomes|of|to|set[ \t]+to)(?![A-Za-z0-9_'\u2019\-])"
+    rf"(?:[ \t]+(?:now|still|just|simply|actually))?(?:[ \t]*(?::|{_DASHES}|-{{1,2}}(?=[ \t])))?))"
+)
+_VALUE = (
+    rf"[ \t]{{0,3}}+(?:(?P<pq>[{_QUOTES}]|\*\*)(?P<qv>{_not_plain(_IN_QUOTES)}{_IN_QUOTES}"
+    rf"{{6,{LONGEST}}}+)(?=[{_QUOTES}]|\*\*)|(?:[{_QUOTES}]|\*\*)?"
+    rf"(?P<v>{_not_plain(_IN_VALUE)}{_IN_VALUE}{{6,{LONGEST}}}))"
+)
+PROSE_TAIL = (
+    r"(?P<prest>(?:[A-Za-z0-9_]|-(?=[A-Za-z0-9])){0,40}+)(?:['\u2019]s)?[*`]{0,2}+"
+    + _GAP + _CONNECTOR + _VALUE
+)  # fmt: skip
+# The next connector and value after one that was no secret ("the password of the service
+# account is …"); the rest of a value longer than LONGEST.
+PROSE_NEXT = re.compile(_GAP + _CONNECTOR + _VALUE)
+PROSE_MORE = re.compile(_IN_VALUE + "{1," + str(40 * LONGEST) + "}")
+
+# A name in prose holds one of these words ("password", not "passport" or a "pass").
+PROSE_WORDS = frozenset(
+    {"secret", "token", "key", "apikey", "password", "passwd", "passphrase", "credential",
+     "credentials", "creds", "cred"}
+)  # fmt: skip
+_ENDINGS = ("token", "secret", "password", "passwd", "passphrase", "apikey")
+PROSE_ENDINGS = _ENDINGS + tuple(q + "key" for q in KEY_QUALIFIERS)  # "privatekey"
+# A bare one of these is a weak name ("the token is …"): its value must be longer.
+WEAK_WORDS = frozenset({"token", "secret", "credential", "credentials", "creds", "cred"})
+# Words of a name that make it name something about a secret ("the token limit", "the key's
+# fingerprint", "the length of the password"); "at", "used", "left" read as prose there.
+PROSE_NOT_SECRET = (NOT_SECRET_LAST | NOT_SECRET_ANY | {
+    "fingerprint", "fingerprints", "digest", "checksum", "sha1", "sha256", "sha512", "md5",
+    "hashed", "hashes", "based", "protected", "manager", "store", "rotation", "scope", "scopes",
+    "issuer", "audience", "owner", "claims", "permissions", "generator", "lifetime", "validity",
+    "rules", "requirements", "column", "table", "window", "cost", "price", "estimate",
+    "encoding", "encoder", "decoder", "embedding", "embeddings", "vocabulary", "vocab",
+    "characters", "chars", "bytes", "bits", "digits",
+}) - {"at", "used", "left"}  # fmt: skip
+# Words that say a phrase is about a secret, not one ("the password hashing algorithm is …").
+PROSE_ABOUT = frozenset(
+    {"hash", "hashes", "hashed", "hashing", "algorithm", "algorithms", "policy", "policies",
+     "length", "strength", "requirements", "rules", "format", "field", "prompt", "hint",
+     "expiry", "expiration", "rotation", "manager", "generator", "validation", "complexity",
+     "encoding", "scheme", "option", "flag", "parameter", "argument", "setting", "support"}
+)  # fmt: skip
+# "to" is a connector after a change ("I changed the password to …"), not "exported to PKCS#12".
+CHANGE = re.compile(r"(?i)\b(?:set|change|changed|reset|update|updated|rotate|rotated)\b")
+ENTITY = re.compile(r"&(?:quot|apos|amp|lt|gt|#\d+)")  # HTML-escaped quotes end a value
+CALL = re.compile(r"[A-Za-z_][\w.]*\(")  # "Sign.sign()": code
+# Words after the secret's word that still belong to its name ("secret access key").
+PROSE_CONTINUE = frozenset({"key", "access", "secret", "token", "password", "phrase", "word"})
+# Words that end the phrase before a name ("my GitHub token": "GitHub" belongs, "my" ends it).
+ARTICLES = frozenset({"a", "an", "the", "my", "your", "our", "his", "her", "their", "its", "this"})
+PROSE_STOP = ARTICLES | {
+    "that", "these", "those", "some", "any", "no", "each", "every", "of", "for", "to", "in",
+    "on", "at", "by", "with", "from", "into", "and", "or", "but", "is", "was", "are", "were",
+    "be", "been", "if", "as", "so", "than", "then", "when", "which", "what", "where", "here",
+    "there", "i", "you", "we", "they", "it", "he", "she", "use", "uses", "using", "set", "get",
+    "new", "old", "current", "same", "own",
+}  # fmt: skip
+SINGULAR = {
+    w + "s": w for w in ("token", "key", "secret", "password", "passphrase", "passwd", "apikey")
+}
+
+# What a value named in prose may be: one token of the base64 / base64url / hex alphabets (a
+# password: any); no number, date, version or address, e-mail address, code name, placeholder.
+ALPHABET = re.compile(r"[A-Za-z0-9+/=_\-.~]+")
+DIGITS_AND_MARKS = re.compile(r"[0-9.:/\-_,+]+")
+HEX = re.compile(r"[0-9a-f]+|[0-9A-F]+")
+SEPARATORS = re.compile(r"[\-_.:,!?]+")
+LETTERS_AND_SEPARATORS = re.compile(r"[A-Za-z\-_.:,!?]+")
+EMAIL = re.compile(r"[\w.+\-]+@[\w\-]+(?:\.[\w\-]+)*\.[A-Za-z]{2,}")
+# In one of its spellings: a random value holds one by chance once in 100,000.
+PLACEHOLDER_WORDS = re.compile(
+    "|".join(
+        spelling
+        for word in ("xxxx", "your", "example", "placeholder", "changeme", "dummy", "sample")
+        for spelling in (word, word.capitalize(), word.upper())
+    )
+)
+# A part of a code name: a word, camelCase words, an ACRONYM, a letter or a short number, with
+# up to four digits after it (``tokenizer_config_v2``, ``MY_SECRET_TOKEN_V2``, ``getToken``).
+# Possessive: no backtracking over how a long run of letters splits into words.
+NAME_PART = re.compile(
+    r"\d{1,4}|[A-Za-z]\d{0,4}"
+    r"|(?:[A-Z]?[a-z]{2,}+|[A-Z]{2,}+(?![a-z])|[A-Z]{2,}?(?=[A-Z][a-z]))++\d{0,4}"
+)
+
+# One pattern per spelling of each word that says secret (a literal first keeps the engine's
+# fast search), for an assignment or a secret named in prose after it, and the prose one alone
+# (tried where an assignment is no secret); after "pwd", "auth" and "sig" assignments only.
+NAMED: tuple[tuple[re.Pattern[str], re.Pattern[str] | None], ...] = tuple(
+    (
+        re.compile(re.escape(spelling) + f"(?:{ASSIGNMENT_TAIL}|{PROSE_TAIL})"),
+        re.compile(re.escape(spelling) + PROSE_TAIL),
+    )
+    if word in ("pass", "secret", "token", "key", "cred")
+    else (re.compile(re.escape(spelling) + ASSIGNMENT_TAIL), None)
+    for word in ("pass", "pwd", "secret", "token", "key", "auth", "cred", "sig")
+    for spelling in dict.fromkeys((word, word.capitalize(), word.upper()))
 )
