@@ -7,6 +7,7 @@ in the top-level ``testing`` package, shared with the benchmarks; tests import t
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from testing.agents import Agents, AgentsMissing, find_agents
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, start_engram
 from testing.redis_server import RedisServer, find_redis_server
@@ -57,3 +59,18 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     workdir.mkdir()
     with RedisServer(binary, workdir) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def agents() -> Agents:
+    """The real coding agents (``testing.agents``). Not installed (``make agents-deps``, which
+    ``make test`` runs; it needs npm): skipped with that reason; under ``CI=true``, failed."""
+    try:
+        return find_agents()
+    except AgentsMissing as exc:
+        reason = str(exc)
+        if shutil.which("npm") is None:
+            reason += " (it needs npm, from Node.js, which is not on PATH)"
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI=true but {reason}", pytrace=False)
+        pytest.skip(reason)

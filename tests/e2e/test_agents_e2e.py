@@ -1,0 +1,102 @@
+"""The real coding agents through Engram in front of the real llama-server (issue 22): a fact told
+in one ``claude -p`` (or ``codex exec``) run reaches the model in a new one.
+
+The server runs SmolLM2-135M with its trained 8,192-token context, behind a relay that caps
+replies at 64 tokens (:mod:`testing.reply_cap`: the agents ask for 32,000 and the tiny model
+otherwise rambles to the end of its context). Its chat template
+renders no tools: Claude Code's 8,000 tokens of them would leave no room for memories if Engram
+kept counting them; after the first reply's ``usage`` it knows better. What the model answers is
+not judged (135M parameters): that the request was accepted, and what it was given, is.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from testing.agents import Agents, make_home, run_claude, run_codex
+from testing.harness import Engram, settle, start_engram
+from testing.reply_cap import ReplyCap
+from tests.e2e.conftest import LlamaServer, start_llama_server, stop_process
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.agents]
+
+MODEL = "smollm2"
+FACT = "My cat is called Zorblax. Remember that."
+QUESTION = "What is my cat called?"
+TIMEOUT = 600.0  # a 4,000-token prompt on one thread of a busy 2-core machine takes a while
+
+
+@pytest.fixture(scope="module")
+def llama8k() -> Iterator[LlamaServer]:
+    with tempfile.TemporaryDirectory(prefix="engram-llama-8k-") as tmp:
+        server = start_llama_server(Path(tmp) / "llama-server.log", ctx=8192)
+        try:
+            yield server
+        finally:
+            stop_process(server.process)
+
+
+@pytest_asyncio.fixture
+async def engram_llama(llama8k: LlamaServer) -> AsyncIterator[Engram]:
+    relay = ReplyCap(llama8k.url, cap=64)
+    await relay.start()
+    e = await start_engram(relay.url, embedder={"model": "engram/all-MiniLM-L6-v2-q8"})
+    try:
+        yield e
+    finally:
+        await e.close()
+        await relay.stop()
+
+
+async def test_claude_code_recalls_a_fact_from_another_run_on_a_real_model(
+    agents: Agents, engram_llama: Engram, llama8k: LlamaServer, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    home = make_home(engram_llama.url, MODEL, parent=tmp_path)
+    told = await run_claude(
+        engram_llama.url, FACT, home=home, cwd=work, model=MODEL, timeout=TIMEOUT, agents=agents
+    )
+    assert told.ok, told.report() + "\n" + llama8k.log_tail()
+    await settle(engram_llama, timeout=60)
+    asked = await run_claude(
+        engram_llama.url, QUESTION, home=home, cwd=work, model=MODEL, timeout=TIMEOUT,
+        agents=agents,
+    )  # fmt: skip
+    assert asked.ok, asked.report() + "\n" + llama8k.log_tail()
+    turns = engram_llama.turns
+    assert [t.status for t in turns] == [200, 200], [t.response_headers for t in turns]
+    last = turns[-1]
+    assert int(last.response_headers["X-Engram-Memories"].split(";")[0]) >= 1
+    given = json.dumps(last.forwarded)
+    block = given[given.find("<engram-memory") : given.find("</engram-memory")]
+    assert "Zorblax" in block, block
+    # What the user said, without the reminder Claude Code put before it (the model's own
+    # reply may say anything).
+    assert "user: \\\"My cat is called Zorblax. Remember that.\\\"" in block, block
+    assert "<system-reminder" not in block.replace("\\u003c", "<"), block
+
+
+async def test_codex_recalls_a_fact_from_another_run_on_a_real_model(
+    agents: Agents, engram_llama: Engram, llama8k: LlamaServer, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    home = make_home(engram_llama.url, MODEL, parent=tmp_path)
+    for prompt in (FACT, QUESTION):
+        run = await run_codex(
+            engram_llama.url, prompt, home=home, cwd=work, model=MODEL, timeout=TIMEOUT,
+            agents=agents,
+        )  # fmt: skip
+        assert run.ok, run.report() + "\n" + llama8k.log_tail()
+        await settle(engram_llama, timeout=60)
+    last = engram_llama.turns[-1]
+    assert last.status == 200
+    assert int(last.response_headers["X-Engram-Memories"].split(";")[0]) >= 1
+    assert "Zorblax" in json.dumps(last.forwarded)
