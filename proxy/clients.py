@@ -3,9 +3,10 @@ r"""What known clients send that is not a person's words: data only, one entry p
 Three kinds, each a table of regular expressions (the client that sends each shape in its
 comment, so a new client or version is one line here, never a code path):
 
-- :data:`HOUSEKEEPING` — requests a client makes for itself (a title, tags, follow-ups, a topic,
-  a summary of the conversation so far, a quota probe). Searched in the request's system text and
-  in the user messages of its current turn; a match makes the request housekeeping
+- :data:`HOUSEKEEPING` (and :data:`HOUSEKEEPING_ANY_CASE`, lower case, matched against the text
+  lower-cased) — requests a client makes for itself (a title, tags, follow-ups, a topic, a summary
+  of the conversation so far, a quota probe). Searched in the request's system text and in the
+  user messages of its current turn; a match makes the request housekeeping
   (:func:`proxy.chat.identity.is_housekeeping`): forwarded as sent, no memories, not archived.
 - :data:`BLOCKS` — blocks a client wraps around context it regenerates on every request
   (reminders, environment, instructions). Found inside user messages by
@@ -13,7 +14,8 @@ comment, so a new client or version is one line here, never a code path):
 - :data:`MADE_UP` — whole messages a client writes in the user's place (retries after a cut
   reply, "continue" nudges, the hand-over after a context compaction).
 
-Every pattern is matched case-sensitively unless it says ``(?i:…)``, ``.`` matching line ends
+Patterns are matched case-sensitively (each on its own: a pattern that starts with a literal is
+found by a fast substring search), ``.`` matching line ends
 too; ``BLOCKS`` patterns match the whole block, tags included; ``\A`` and ``\Z`` anchor at the
 text's start and end.
 """
@@ -25,25 +27,15 @@ import re
 HOUSEKEEPING: tuple[str, ...] = (
     # Open WebUI: "### Task:" prompts for titles, tags, follow-ups, autocompletion.
     r"### Task:\s*\n\s*(?:Generate|Suggest|Analyze|Create|Based on|You are an autocompletion)",
-    r"(?i:Generate a concise, 3-5 word title)",
-    r"(?i:Generate 1-3 broad tags)",
-    r"(?i:Suggest 3-5 relevant follow-up)",
-    r"(?i:You are an autocompletion system)",
-    r"(?i:<chat_history>[\s\S]*</chat_history>[\s\S]*(?:title|tags|follow-up))",
-    # LibreChat: titles.
-    r"(?i:generate a concise,? 5-word-or-less title)",
-    r"(?i:Please generate a (?:concise )?title for (?:this|the) conversation)",
-    r"(?i:Write a concise title for this conversation)",
     # opencode: its title agent and its compaction (summary) agent.
     r"You are a title generator\. You output ONLY a thread title",
     r"\AGenerate a title for this conversation:",
     r"Create a new anchored summary from the conversation history",
     r"Summarize what was done in this conversation\. Write like a pull request description",
     r"Do not continue the conversation\. Do not respond to any questions in the conversation\.",
-    # Claude Code: session titles (2.1: "naming a coding session"; older: "5-10 word title"),
-    # topic detection, compaction summaries and the quota probe sent at start.
+    # Claude Code: session titles (2.1: "naming a coding session"), topic detection, compaction
+    # summaries and the quota probe sent at start.
     r"You are naming a coding session so the user can pick it out",
-    r"(?i:Please write a 5-10 word title for the following conversation)",
     r"Analyze if this message indicates a new conversation topic",
     r"Your task is to create a detailed summary of (?:the conversation so far|this conversation"
     r"|the RECENT portion of the conversation)",
@@ -54,6 +46,20 @@ HOUSEKEEPING: tuple[str, ...] = (
     r"Given the following\.\.\. please reply with a title for the chat",
     # GitHub Copilot Chat (VS Code): chat titles.
     r"You are an expert in crafting pithy titles for chatbot conversations",
+)
+HOUSEKEEPING_ANY_CASE: tuple[str, ...] = (
+    # Open WebUI (lower case: matched against the text lower-cased, in any case).
+    r"generate a concise, 3-5 word title",
+    r"generate 1-3 broad tags",
+    r"suggest 3-5 relevant follow-up",
+    r"you are an autocompletion system",
+    r"<chat_history>[\s\S]*</chat_history>[\s\S]*(?:title|tags|follow-up)",
+    # LibreChat: titles.
+    r"generate a concise,? 5-word-or-less title",
+    r"please generate a (?:concise )?title for (?:this|the) conversation",
+    r"write a concise title for this conversation",
+    # Claude Code before 2.1: session titles.
+    r"please write a 5-10 word title for the following conversation",
 )
 
 BLOCKS: tuple[tuple[str, str], ...] = (
@@ -90,6 +96,7 @@ MADE_UP: tuple[tuple[str, str], ...] = (
 )
 
 
-def compile_any(patterns: tuple[str, ...] | list[str]) -> re.Pattern[str] | None:
-    """One regular expression matching any of ``patterns`` (None for none)."""
-    return re.compile("|".join(f"(?:{p})" for p in patterns), re.DOTALL) if patterns else None
+def compile_all(patterns: tuple[str, ...] | list[str]) -> tuple[re.Pattern[str], ...]:
+    """``patterns`` compiled one by one (an alternation of them would lose each one's fast
+    literal search)."""
+    return tuple(re.compile(p, re.DOTALL) for p in patterns)

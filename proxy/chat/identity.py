@@ -110,7 +110,8 @@ def api_key(headers: Mapping[str, str]) -> str | None:
 
 # Requests clients make for themselves (titles, tags, topics, summaries, quota probes), by what
 # they ask (proxy.clients): answered as usual but neither archived nor given memories.
-_HOUSEKEEPING = clients.compile_any(clients.HOUSEKEEPING)
+_HOUSEKEEPING = clients.compile_all(clients.HOUSEKEEPING)
+_HOUSEKEEPING_ANY_CASE = clients.compile_all(clients.HOUSEKEEPING_ANY_CASE)
 HOUSEKEEPING_CHARS = 4000  # how much of each text is searched
 
 
@@ -118,17 +119,21 @@ def is_housekeeping(
     messages: Sequence[Mapping[str, Any]], extra: re.Pattern[str] | None = None
 ) -> bool:
     """Whether the request is a client's housekeeping: its first system message or a user
-    message of its current turn (everything after the last reply) asks for it."""
+    message of its current turn (everything after the last reply) asks for it. ``extra``:
+    ``memory.housekeeping_patterns``, case-insensitive."""
     cur = current_turn_start(messages)
-    texts = [
-        content_text(msg.get("content"))[:HOUSEKEEPING_CHARS]
-        for i, msg in enumerate(messages)
-        if (i == 0 and msg.get("role") in ("system", "developer"))
-        or (msg.get("role") == "user" and i >= cur)
-    ]
-    for text in texts:
-        if (_HOUSEKEEPING is not None and _HOUSEKEEPING.search(text)) or (
-            extra is not None and extra.search(text)
+    for i, msg in enumerate(messages):
+        if not (
+            (i == 0 and msg.get("role") in ("system", "developer"))
+            or (msg.get("role") == "user" and i >= cur)
         ):
+            continue
+        text = content_text(msg.get("content"))[:HOUSEKEEPING_CHARS]
+        if any(p.search(text) for p in _HOUSEKEEPING):
+            return True
+        low = text.lower()
+        if any(p.search(low) for p in _HOUSEKEEPING_ANY_CASE):
+            return True
+        if extra is not None and extra.search(text):
             return True
     return False
