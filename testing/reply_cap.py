@@ -38,6 +38,8 @@ def finished(chunk: bytes) -> bytes:
     for old, new in FINISHED:
         chunk = chunk.replace(old, new)
     return chunk
+
+
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade"}
 )

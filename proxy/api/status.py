@@ -69,6 +69,7 @@ async def metrics(request: web.Request) -> web.Response:
         "fts_only",  # limits.recall_deadline: the query vector came too late
         "recall_timeout",  # … and full-text search too
         "too_many_messages",  # limits.max_messages
+        "over_budget",  # the request alone fills the context: forwarded as sent
     ):
         values[f"engram_{name}_total"] = counts[name]
     memory = pipeline.memory

@@ -48,7 +48,8 @@ class MemoryTurn:
     injected: list[int] = field(default_factory=list)
     skipped: str | None = None  # why memory did nothing (housekeeping, …)
     # Why fewer memories than usual, said after the count in X-Engram-Memories: "fts-only",
-    # "recall-timeout" (limits.recall_deadline), "too-many-messages" (limits.max_messages).
+    # "recall-timeout" (limits.recall_deadline), "too-many-messages" (limits.max_messages),
+    # "over-budget" (the request alone fills the context: forwarded as sent).
     memory_note: str | None = None
     budget: int | None = None  # prompt tokens the upstream's context allows (None: unknown)
     # The client's messages with old bulky tool outputs swapped for slot references (same

@@ -69,7 +69,9 @@ def health_status(url: str) -> int | None:
         return None
 
 
-def start_llama_server(log_path: Path, ctx: int = CTX, extra: tuple[str, ...] = ()) -> LlamaServer:
+def start_llama_server(
+    log_path: Path, ctx: int = CTX, extra: tuple[str, ...] = (), threads: int = 1
+) -> LlamaServer:
     problem = None
     try:
         if llama_server.binary_path() is None:
@@ -89,7 +91,7 @@ def start_llama_server(log_path: Path, ctx: int = CTX, extra: tuple[str, ...] = 
     # One thread: ggml's worker threads spin at their barriers, so two threads on a two-core
     # machine collapse (10-25 tokens/s instead of 80-145) as soon as anything else runs, and the
     # test process itself (Engram, the client) runs beside the server.
-    cmd = llama_server.server_command(port, ctx=ctx, threads=1, parallel=1, extra=extra)
+    cmd = llama_server.server_command(port, ctx=ctx, threads=threads, parallel=1, extra=extra)
     # /slots then also shows each slot's last prompt, detokenized: what the model really saw.
     env = {**os.environ, "LLAMA_SERVER_SLOTS_DEBUG": "1"}
     out = open(log_path, "wb")  # noqa: SIM115 - closed with the process

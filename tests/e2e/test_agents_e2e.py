@@ -35,7 +35,10 @@ TIMEOUT = 600.0  # a 4,000-token prompt on one thread of a busy 2-core machine t
 @pytest.fixture(scope="module")
 def llama8k() -> Iterator[LlamaServer]:
     with tempfile.TemporaryDirectory(prefix="engram-llama-8k-") as tmp:
-        server = start_llama_server(Path(tmp) / "llama-server.log", ctx=8192)
+        # Two threads: the agents' 4,000-token prompts are prefill, and while the server
+        # prefills, Engram and the client wait (the one-thread rule of conftest is for
+        # generation beside other work).
+        server = start_llama_server(Path(tmp) / "llama-server.log", ctx=8192, threads=2)
         try:
             yield server
         finally:
@@ -79,7 +82,7 @@ async def test_claude_code_recalls_a_fact_from_another_run_on_a_real_model(
     assert "Zorblax" in block, block
     # What the user said, without the reminder Claude Code put before it (the model's own
     # reply may say anything).
-    assert "user: \\\"My cat is called Zorblax. Remember that.\\\"" in block, block
+    assert 'user: \\"My cat is called Zorblax. Remember that.\\"' in block, block
     assert "<system-reminder" not in block.replace("\\u003c", "<"), block
 
 

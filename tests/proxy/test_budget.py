@@ -205,6 +205,8 @@ async def test_a_request_whose_own_parts_overflow_goes_exactly_as_sent(
         await r.read()
         assert memories(r) == (0, "over-budget")
     assert fake8k.chat_requests()[-1].body == raw  # byte for byte
+    async with http.get(engram.url + "/engram/metrics") as r:
+        assert "engram_over_budget_total 1" in await r.text()
     await settle(engram)
     # It is still a turn of the conversation.
     store = engram.app[SERVICES].store
