@@ -302,9 +302,8 @@ class ChatPipeline:
             if chars > THREAD_CHARS
             else tokens.messages(messages)
         )
-        rendered = (
-            self.memory.rewriter.rendered_raw(turn.conv.rendered) if turn.conv.rendered else 0
-        )
+        tools = turn.conv.rendered
+        rendered = await self.memory.rewriter.rendered_raw(tools) if tools else 0
         tokens.learn(turn.conv.model, estimated, reported, rendered)
 
     async def _expand(

@@ -52,6 +52,7 @@ SIZE_CACHE = 50_000
 WINDOWS = 100_000  # sessions whose last window start is remembered
 MESSAGE_OVERHEAD = 300  # bytes a message dict holds besides its text
 BLOCK_SLACK = 16  # tokens left beside a memory block made to fit what the history leaves
+THREAD_TEXT = 20_000  # characters past which a first token count goes to a thread
 
 
 def prompt_size(entry: tuple[float, Assembly]) -> int:
@@ -108,7 +109,7 @@ class Rewriter:
         s = self.settings
         budget = await self.budget(reply_tokens, mt.model, context_size)
         if budget is not None and rendered:
-            budget = max(0, budget - self.rendered_tokens(rendered, mt.model))
+            budget = max(0, budget - await self.rendered_tokens(rendered, mt.model))
         mt.budget = budget
         sizes = await self.message_sizes(mt)
         model = mt.model
@@ -189,21 +190,24 @@ class Rewriter:
             self.windows[sid] = final.window_start if final.rewritten else -1
             self.last_requests[sid] = (time.time(), final)
 
-    def rendered_tokens(self, rendered: Sequence[Any], model: str | None) -> int:
+    async def rendered_tokens(self, rendered: Sequence[Any], model: str | None) -> int:
         """Tokens the upstream spends on ``rendered`` (tool definitions): their JSON's tokens,
         corrected for the model, times the share of them its chat template renders (learned
         from the ``usage`` it reports: :meth:`proxy.tokens.TokenCounter.learn`)."""
         t = self.tokens
-        return round(self.rendered_raw(rendered) * t.factor(model) * t.rendered_share(model))
+        raw = await self.rendered_raw(rendered)
+        return round(raw * t.factor(model) * t.rendered_share(model))
 
-    def rendered_raw(self, rendered: Sequence[Any]) -> int:
+    async def rendered_raw(self, rendered: Sequence[Any]) -> int:
         """Uncorrected tokens of ``rendered`` as JSON, remembered by its hash: clients send the
-        same tools on every request."""
+        same tools on every request (the first count of a long set is made on a thread)."""
         text = json.dumps(rendered, ensure_ascii=False, separators=(", ", ": "))
         key = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
         n = self._raw_counts.get(key)
         if n is None:
-            n = self._raw_counts[key] = self.tokens.raw(text)
+            big = len(text) > THREAD_TEXT
+            n = await asyncio.to_thread(self.tokens.raw, text) if big else self.tokens.raw(text)
+            self._raw_counts[key] = n
         return n
 
     async def budget(
