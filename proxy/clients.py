@@ -16,8 +16,9 @@ comment, so a new client or version is one line here, never a code path):
 
 Patterns are matched case-sensitively (each on its own: a pattern that starts with a literal is
 found by a fast substring search), ``.`` matching line ends
-too; ``BLOCKS`` patterns match the whole block, tags included; ``\A`` and ``\Z`` anchor at the
-text's start and end.
+too; ``BLOCKS`` patterns match the whole block, tags included, and each starts with a literal
+(where two overlap, the one that starts first, else the longer, wins); ``\A`` and ``\Z``
+anchor at the text's start and end.
 """
 
 from __future__ import annotations
@@ -70,10 +71,8 @@ BLOCKS: tuple[tuple[str, str], ...] = (
     # Cline and Roo Code: the open files, the working directory, the time.
     ("environment", r"<environment_details>.*?</environment_details>"),
     # Codex: AGENTS.md, user instructions, skills and permission rules.
-    (
-        "instructions",
-        r"(?:# AGENTS\.md instructions for [^\n]*\n+)?<INSTRUCTIONS>.*?</INSTRUCTIONS>",
-    ),
+    ("instructions", r"# AGENTS\.md instructions for [^\n]*\n+<INSTRUCTIONS>.*?</INSTRUCTIONS>"),
+    ("instructions", r"<INSTRUCTIONS>.*?</INSTRUCTIONS>"),
     ("instructions", r"<user_instructions>.*?</user_instructions>"),
     ("instructions", r"<skills_instructions>.*?</skills_instructions>"),
     ("instructions", r"<permissions instructions>.*?</permissions instructions>"),

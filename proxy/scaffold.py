@@ -32,10 +32,9 @@ from proxy.store.models import Scaffold
 REPEAT_MIN = 200  # characters a user paragraph needs before repetition can make it scaffolding
 SYSTEM_ROLES = ("system", "developer")
 
-_BLOCK_KINDS = [kind for kind, _ in clients.BLOCKS]
-_BLOCKS = re.compile(
-    "|".join(f"({pattern})" for _, pattern in clients.BLOCKS) + r"", re.DOTALL
-)  # group k+1 is BLOCKS[k]
+# One pattern each: each starts with a literal, found by a fast substring search (an alternation
+# of them scanned every position of a long text: 21 ms for 100 kB).
+_BLOCKS = [(kind, re.compile(pattern, re.DOTALL)) for kind, pattern in clients.BLOCKS]
 _TRAILING = re.compile(r"[ \t]*(?:\r?\n)*")
 _MADE_UP = [(kind, re.compile(pattern, re.DOTALL)) for kind, pattern in clients.MADE_UP]
 _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
@@ -119,13 +118,10 @@ def split(role: str, text: str, known: Callable[[str], bool] | None = None) -> S
         return Split("", (Piece(made_up(text) or "retry", text, 0),))
     segments: list[tuple[str | None, str]] = []  # (kind, text); None: words
     pos = 0
-    if "<" in text:
-        for m in _BLOCKS.finditer(text):
-            end = _TRAILING.match(text, m.end())
-            stop = end.end() if end is not None else m.end()
-            segments += _word_segments(text[pos : m.start()], known)
-            segments.append((_BLOCK_KINDS[(m.lastindex or 1) - 1], text[m.start() : stop]))
-            pos = stop
+    for start, stop, block in blocks(text):
+        segments += _word_segments(text[pos:start], known)
+        segments.append((block, text[start:stop]))
+        pos = stop
     segments += _word_segments(text[pos:], known)
     if len(segments) == 1 and segments[0][0] is None:
         return Split(text)
@@ -140,6 +136,23 @@ def split(role: str, text: str, known: Callable[[str], bool] | None = None) -> S
         else:
             pieces.append(Piece(kind, t, at))
     return Split(words, tuple(pieces))
+
+
+def blocks(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, kind)`` of the scaffolding blocks in ``text`` (with the blank space after
+    each), in order, none overlapping."""
+    if "<" not in text:
+        return []
+    found = sorted(
+        (m.start(), -m.end(), kind) for kind, pattern in _BLOCKS for m in pattern.finditer(text)
+    )
+    out: list[tuple[int, int, str]] = []
+    for start, neg_end, kind in found:
+        if out and start < out[-1][1]:
+            continue  # inside a block already taken
+        trailing = _TRAILING.match(text, -neg_end)
+        out.append((start, trailing.end() if trailing is not None else -neg_end, kind))
+    return out
 
 
 def _word_segments(text: str, known: Callable[[str], bool] | None) -> list[tuple[str | None, str]]:
