@@ -78,7 +78,7 @@ class Handback:
         turns = [
             t
             for t in await self.store.session_turns(session.id)
-            if t.role not in ("system", "developer")
+            if t.role not in ("system", "developer") and (t.content.strip() or t.tool_calls)
         ]
         if not turns:
             await self.store.write(lambda c: set_completed(c, session.id, time.time()))

@@ -195,7 +195,9 @@ class Summarizer:
         turns = [
             t
             for t in await self.store.session_turns(session_id, from_position=start)
-            if t.position < upto and t.role not in ("system", "developer")
+            if t.position < upto
+            and t.role not in ("system", "developer")
+            and (t.content.strip() or t.tool_calls)  # not a turn of scaffolding alone
         ]
         if not turns:
             return previous
