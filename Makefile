@@ -58,9 +58,14 @@ browser-deps:
 
 ## The real coding agents the agent tests drive (tests/agents): Claude Code, Codex and opencode at
 ## the versions pinned in testing/agents.pins, from the npm registry (install scripts off), once per
-## pin set into ~/.cache/engram/agents/<pins>/ (about 1.2 GB). Without npm the tests skip (fail
-## under CI=true).
+## pin set into ~/.cache/engram/agents/<pins>/ (about 1.2 GB). Without npm, Debian's is installed
+## when this runs as root with apt-get; else the tests skip (fail under CI=true).
 agents-deps: $(BIN)/python
+	@command -v npm >/dev/null 2>&1 || \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -q --no-install-recommends nodejs npm; \
+	fi
 	$(BIN)/python -m testing.agents_install
 
 ## Run the whole test suite
