@@ -16,7 +16,8 @@ comment, so a new client or version is one line here, never a code path):
 
 Patterns are matched case-sensitively (each on its own: a pattern that starts with a literal is
 found by a fast substring search), ``.`` matching line ends
-too; ``BLOCKS`` patterns match the whole block, tags included, and each starts with a literal
+too; a ``BLOCKS`` entry is (kind, the block's opening as a pattern that starts with a literal,
+its closing tag as plain text): a block runs from its opening to the first closing after it
 (where two overlap, the one that starts first, else the longer, wins); ``\A`` and ``\Z``
 anchor at the text's start and end.
 """
@@ -63,22 +64,22 @@ HOUSEKEEPING_ANY_CASE: tuple[str, ...] = (
     r"please write a 5-10 word title for the following conversation",
 )
 
-BLOCKS: tuple[tuple[str, str], ...] = (
+BLOCKS: tuple[tuple[str, str, str], ...] = (
     # Claude Code (reminders, CLAUDE.md, IDE context, hook output) and opencode: <system-reminder>.
-    ("system-reminder", r"<system-reminder>.*?</system-reminder>"),
+    ("system-reminder", r"<system-reminder>", "</system-reminder>"),
     # Codex: the working directory, shell, date and sandbox of this run.
-    ("environment", r"<environment_context>.*?</environment_context>"),
+    ("environment", r"<environment_context>", "</environment_context>"),
     # Cline and Roo Code: the open files, the working directory, the time.
-    ("environment", r"<environment_details>.*?</environment_details>"),
+    ("environment", r"<environment_details>", "</environment_details>"),
     # Codex: AGENTS.md, user instructions, skills and permission rules.
-    ("instructions", r"# AGENTS\.md instructions for [^\n]*\n+<INSTRUCTIONS>.*?</INSTRUCTIONS>"),
-    ("instructions", r"<INSTRUCTIONS>.*?</INSTRUCTIONS>"),
-    ("instructions", r"<user_instructions>.*?</user_instructions>"),
-    ("instructions", r"<skills_instructions>.*?</skills_instructions>"),
-    ("instructions", r"<permissions instructions>.*?</permissions instructions>"),
-    ("instructions", r"<collaboration_mode>.*?</collaboration_mode>"),
+    ("instructions", r"# AGENTS\.md instructions for [^\n]*\n+<INSTRUCTIONS>", "</INSTRUCTIONS>"),
+    ("instructions", r"<INSTRUCTIONS>", "</INSTRUCTIONS>"),
+    ("instructions", r"<user_instructions>", "</user_instructions>"),
+    ("instructions", r"<skills_instructions>", "</skills_instructions>"),
+    ("instructions", r"<permissions instructions>", "</permissions instructions>"),
+    ("instructions", r"<collaboration_mode>", "</collaboration_mode>"),
     # Claude Code: the caveat it puts before the output of local slash commands.
-    ("instructions", r"<local-command-caveat>.*?</local-command-caveat>"),
+    ("instructions", r"<local-command-caveat>", "</local-command-caveat>"),
 )
 
 MADE_UP: tuple[tuple[str, str], ...] = (

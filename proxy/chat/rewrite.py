@@ -135,10 +135,9 @@ class Rewriter:
         if budget is not None and fixed > budget:
             # The system prompt, tools and current turn alone overflow: the request goes as
             # the client sent it, without memories (nothing Engram adds or cuts would help).
-            mt.assembly = assemble(view, budget=budget, count=count, count_text=count_text)
+            mt.view, mt.slot_refs = mt.messages, []  # what goes: the client's own messages
+            mt.assembly = assemble(mt.messages, budget=budget, count=count, count_text=count_text)
             mt.memory_note = OVER_BUDGET
-            mt.view = mt.messages
-            mt.slot_refs = []
             self._remember(mt, mt.assembly)
             return
         if budget is not None and mt.placement is not None and self.summarizer is not None:

@@ -103,14 +103,6 @@ async def all_turns(engram: Engram, as_sent: bool = False) -> dict[str, list[Tur
     return out
 
 
-async def scaffold_rows(engram: Engram) -> list[tuple[str, int]]:
-    store = engram.app[SERVICES].store
-    rows = await store.read(
-        lambda c: c.execute("SELECT kind, length(content) FROM scaffolds WHERE user_id = 'u'")
-    )
-    return [(str(k), int(n)) for k, n in rows.fetchall()] if hasattr(rows, "fetchall") else rows
-
-
 async def stored_bytes(engram: Engram) -> tuple[int, int]:
     """(bytes of turn content, bytes of scaffolding) the user's memory holds."""
     store = engram.app[SERVICES].store

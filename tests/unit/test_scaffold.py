@@ -185,3 +185,18 @@ def test_conversations_about_titles_and_summaries_are_not_housekeeping() -> None
     ]
     for case in cases:
         assert not is_housekeeping(case), case
+
+
+def test_unclosed_openings_cost_one_pass() -> None:
+    """A hostile (or merely odd) text of unclosed block openings: read as words, in one pass
+    (a lazy regex per opening took 1.5 s for 50 kB and grows with the square of the length)."""
+    import time
+
+    text = "<system-reminder>" * 12_000 + "<environment_context>" * 5_000
+    start = time.monotonic()
+    cut = scaffold.split("user", text)
+    assert cut.words == text and cut.pieces == ()
+    assert time.monotonic() - start < 2.0
+    # An opening closed only at the very end is one block.
+    closed = "<system-reminder>" * 1_000 + "</system-reminder>\nhi"
+    assert scaffold.split("user", closed).words == "hi"
