@@ -12,6 +12,14 @@
     GET    /engram/api/stats                    the user's counts, the token figures and the
                                                 slot figures (per backend, server-wide)
     GET    /engram/api/slots/{id}               one of the user's tool-result slots
+    DELETE /engram/api/turns/{id}               one turn and what was made from it
+    POST   /engram/api/turns/{id}/recall        {"recall": "pinned" | "muted" | "normal"}
+    DELETE /engram/api/memory?confirm=yes       all of the user's memory (keys stay)
+    POST   /engram/api/notes                    {"text"}: a note, recalled like a turn
+    POST   /engram/api/facts/{id}               {"text"}: a fact corrected (a new id)
+    DELETE /engram/api/facts/{id}               a fact deleted
+
+The corrections are :mod:`proxy.api.actions`, shared with the inspector, MCP and the CLI.
 
 The user namespace comes from ``X-Engram-User``, else the ``user`` query parameter, else
 ``default``, cleaned as the chat pipeline cleans it; a user's own key (``auth.mode = "keys"``)
@@ -32,6 +40,8 @@ from typing import Any
 from aiohttp import web
 
 from proxy import json_input
+from proxy.api import actions
+from proxy.api.effects import after
 from proxy.api.views import (
     clean_query,
     clean_user,
@@ -54,8 +64,8 @@ from proxy.jsonl import export_line
 from proxy.services import SERVICES, MemoryParts
 from proxy.slots.refs import SLOT_ID
 from proxy.slots.store import SlotStore
+from proxy.store.corrections import RECALL_NAMES
 from proxy.store.counters import memory_counts
-from proxy.store.forget import forget_session
 from proxy.store.store import Store
 
 PREFIX = "/engram/api"
@@ -214,23 +224,82 @@ async def delete_handler(request: web.Request) -> web.Response:
     """Delete the session and all it produced now; its Redis slots and the scrub that makes the
     bytes leave the files (:mod:`proxy.store.scrub`) follow in the background (drained at
     shutdown)."""
-    parts = _parts(request)
-    store, user = parts.store, request_user(request)
-    session = await owned_session(store, user, request.match_info["id"])
-    turns = await store.count_turns(session.id)
-    gone = await store.write(lambda c: forget_session(c, session.id, user))
-    if gone is None:
-        raise NotFound(f"No session {session.name!r} for user {user!r}.", code="session_not_found")
-    for sid in gone.sessions:
-        parts.memory.last_requests.pop(sid)
+    return await _act(
+        request, lambda store, user: actions.forget_session(store, user, request.match_info["id"])
+    )
 
-    async def afterwards() -> None:
-        if parts.slots is not None:
-            await parts.slots.forget_slots(gone.user_id, gone.sessions, gone.slot_ids)
-        await store.scrubber.scrub()
 
-    request.app[SERVICES].tasks.spawn(afterwards(), name="forget-scrub")
-    return web.json_response({"id": session.name, "deleted": True, "turns": turns})
+async def _act(
+    request: web.Request, action: Callable[[Store, str], Awaitable[actions.Done]]
+) -> web.Response:
+    """Run a correction as the request's user, then what it leaves to the server."""
+    store, user = _store(request), request_user(request)
+    done = await action(store, user)
+    after(request.app[SERVICES], done)
+    return web.json_response(done.detail)
+
+
+async def forget_turn_handler(request: web.Request) -> web.Response:
+    """Delete one turn and what was made from it."""
+    turn_id = actions.parse_turn_id(request.match_info["id"])
+    return await _act(request, lambda store, user: actions.forget_turn(store, user, turn_id))
+
+
+async def forget_all_handler(request: web.Request) -> web.Response:
+    """Delete all of the user's memory (``?confirm=yes`` required: there is no undo)."""
+    if request.query.get("confirm") != "yes":
+        raise BadRequest(
+            "This deletes all of the user's memory; add ?confirm=yes to do it.",
+            param="confirm",
+            code="confirm_required",
+        )
+    return await _act(request, actions.forget_everything)
+
+
+async def recall_handler(request: web.Request) -> web.Response:
+    """``{"recall": "pinned" | "muted" | "normal"}``: always, never or as search finds it."""
+    turn_id = actions.parse_turn_id(request.match_info["id"])
+    value = actions.parse_recall((await json_object(request)).get("recall"))
+    user = request_user(request)
+    turn = await actions.set_recall(_store(request), user, turn_id, value)
+    _parts(request).memory.recall.forget_pinned(user)
+    return web.json_response({**turn_json(turn), "recall": RECALL_NAMES[turn.recall]})
+
+
+async def note_handler(request: web.Request) -> web.Response:
+    """``{"text"}``: a note of the user's, stored and recalled like a turn (201)."""
+    text = actions.clean_text((await json_object(request)).get("text"))
+    parts, user = _parts(request), request_user(request)
+    turn = await actions.add_note(
+        parts.store,
+        parts.retriever.embedder,
+        user,
+        text,
+        redact_secrets=request.app[SERVICES].settings.memory.redact_secrets,
+    )
+    return web.json_response(turn_json(turn), status=201)
+
+
+async def fact_edit_handler(request: web.Request) -> web.Response:
+    """``{"text"}``: the fact says this now (a new id; the old one and its words are gone)."""
+    fact_id = actions.parse_turn_id(request.match_info["id"])
+    text = actions.clean_text((await json_object(request)).get("text"))
+    parts, user = _parts(request), request_user(request)
+    turn, done = await actions.edit_fact(
+        parts.store,
+        parts.retriever.embedder,
+        user,
+        fact_id,
+        text,
+        redact_secrets=request.app[SERVICES].settings.memory.redact_secrets,
+    )
+    after(request.app[SERVICES], done)
+    return web.json_response({**turn_json(turn), "replaces": fact_id})
+
+
+async def fact_delete_handler(request: web.Request) -> web.Response:
+    fact_id = actions.parse_turn_id(request.match_info["id"])
+    return await _act(request, lambda store, user: actions.delete_fact(store, user, fact_id))
 
 
 async def export_handler(request: web.Request) -> web.StreamResponse:
@@ -343,3 +412,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(f"{PREFIX}/consolidate", consolidate_handler)
     app.router.add_get(f"{PREFIX}/stats", stats_handler)
     app.router.add_get(f"{PREFIX}/slots/{{id}}", slot_handler)
+    app.router.add_delete(f"{PREFIX}/turns/{{id}}", forget_turn_handler)
+    app.router.add_post(f"{PREFIX}/turns/{{id}}/recall", recall_handler)
+    app.router.add_delete(f"{PREFIX}/memory", forget_all_handler)
+    app.router.add_post(f"{PREFIX}/notes", note_handler)
+    app.router.add_post(f"{PREFIX}/facts/{{id}}", fact_edit_handler)
+    app.router.add_delete(f"{PREFIX}/facts/{{id}}", fact_delete_handler)

@@ -324,6 +324,7 @@ class Consolidator:
                 fact.content(),
                 source_session=source.session_id if source is not None else None,
                 redact_secrets=self.settings.memory.redact_secrets,
+                source_turn=source.id if source is not None else None,
             )
             known.add(key)
             stored += 1

@@ -29,6 +29,7 @@ async def add_item(
     content: str,
     source_session: str | None = None,
     redact_secrets: bool = True,
+    source_turn: int | None = None,
 ) -> int:
     """Store ``content`` as a memory item of ``session_id``; returns its turn id. The model
     wrote it from archived turns, yet it is redacted too (``memory.redact_secrets``): turns
@@ -49,5 +50,5 @@ async def add_item(
         embed_hash=text_hash(text),
     )
     return await store.write(
-        lambda c: insert_item(c, session_id, user_id, turn, vector, source_session)
+        lambda c: insert_item(c, session_id, user_id, turn, vector, source_session, source_turn)
     )

@@ -31,6 +31,7 @@ from proxy.chat.identity import Identity, identify, is_housekeeping
 from proxy.chat.prompt import Assembly
 from proxy.chat.quota import TurnQuota
 from proxy.chat.recall import Recall
+from proxy.chat.recent import RecentRequests
 from proxy.chat.rewrite import Rewriter
 from proxy.chat.sessions import PlacementRequest, place
 from proxy.chat.turn import MemoryTurn
@@ -95,6 +96,8 @@ class MemoryService:
             self.quota,
             self.recall.forget_repeated,
         )
+        # The recent requests as forwarded, for the inspector (in memory only).
+        self.recent = RecentRequests(settings.limits.last_prompts_bytes)
         self._throttle = Throttle()
         extra = settings.memory.housekeeping_patterns
         self._housekeeping = (
@@ -149,10 +152,13 @@ class MemoryService:
         # The query's embedding starts now, on the embedder's thread, while the conversation is
         # hashed and placed.
         query = self.recall.query_vector(messages) if recall and not housekeeping else None
+        started = time.perf_counter()
         try:
-            return await self._before_forward(
+            mt = await self._before_forward(
                 ident, messages, conv, housekeeping, write, recall, query
             )
+            mt.memory_ms = (time.perf_counter() - started) * 1000
+            return mt
         finally:
             if query is not None and not query.done():
                 query.cancel()
@@ -216,12 +222,16 @@ class MemoryService:
 
     def record_request(self, request_id: str, mt: MemoryTurn) -> None:
         """Note the request's id, so that feedback can name it once the upstream accepted it
-        (:meth:`settle`); a rejected request is not recorded."""
+        (:meth:`settle`); a rejected request is not recorded. The inspector's view of it is
+        kept now (:mod:`proxy.chat.recent`)."""
         mt.request_id = request_id
+        self.recent.add(request_id, mt)
 
-    def settle(self, mt: MemoryTurn, status: int | None) -> None:
+    def settle(self, mt: MemoryTurn, status: int | None, expansions: int = 0) -> None:
         """The reply is over: record the request for feedback (in the background) if the
         upstream accepted it and the commit has not already done so."""
+        if mt.request_id is not None:
+            self.recent.settle(mt.request_id, status, expansions)
         if status == 200:
             self._record(mt)
 

@@ -386,7 +386,8 @@ class ChatPipeline:
 
     def _run_hooks(self, turn: ChatTurn) -> None:
         if self.memory is not None and turn.memory is not None:
-            self.memory.settle(turn.memory, turn.status)  # recorded only if accepted
+            # recorded only if accepted
+            self.memory.settle(turn.memory, turn.status, turn.expansions)
         counts = self.counts
         counts[f"chat_{turn.mode}"] += 1
         counts["client_disconnects"] += turn.client_gone

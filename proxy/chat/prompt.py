@@ -60,6 +60,8 @@ class Assembly:
     original_tokens: int
     window_start: int  # index of the first client message kept after the system message
     notes: list[str] = field(default_factory=list)
+    costs: list[int] = field(default_factory=list)  # tokens of each forwarded message
+    memory_tokens: int = 0  # of which the memory block's (in the message it joined)
 
 
 def is_system(msg: Message) -> bool:
@@ -193,7 +195,7 @@ def assemble(
             Part("primacy" if i < first else "recency", "system" if i < first else "sent", i)
             for i in range(n)
         ]
-        return Assembly(msgs, sent, False, 0, original, original, first, [OVER_BUDGET])
+        return Assembly(msgs, sent, False, 0, original, original, first, [OVER_BUDGET], sizes)
 
     if budget is not None and fixed > budget:  # nothing Engram could do makes it fit
         return as_sent()
@@ -263,9 +265,21 @@ def assemble(
         refs = tuple(memory_ids) if label.startswith("memory") else ()
         parts.append(Part("recency", label, index, refs))
         out.append(msg)
-    tokens = sum(cost_of(m) for m in out)
+    forwarded = [cost_of(m) for m in out]
     aged = sum(1 for i in range(first, start) if not is_system(msgs[i]))
-    return Assembly(out, parts, not whole and start > first, aged, tokens, original, start, notes)
+    held = mem_cost if memory_block and any(p.refs for p in parts) else 0
+    return Assembly(
+        out,
+        parts,
+        not whole and start > first,
+        aged,
+        sum(forwarded),
+        original,
+        start,
+        notes,
+        forwarded,
+        held,
+    )
 
 
 def _window_start(

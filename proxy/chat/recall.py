@@ -25,12 +25,12 @@ from typing import Any
 from proxy import scaffold
 from proxy.cache import LRU
 from proxy.chat.fence import Recalled
-from proxy.chat.turn import MemoryTurn
+from proxy.chat.turn import MemoryTurn, Why
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
 from proxy.search.retrieval import Hit, RecallTimeout, Retriever
-from proxy.store import queries, scaffolds
+from proxy.store import corrections, queries, scaffolds
 from proxy.store.items import session_items
 from proxy.store.models import EMBED_CHARS, RECALLED_ROLES, Turn, text_hash
 from proxy.store.store import Store
@@ -45,6 +45,9 @@ TEXT_CACHE = 50_000  # message texts whose hashes are remembered (clients resend
 TOOL_OUTPUT_ROLES = ("tool", "function")
 REPEATED_USERS = 1024  # users whose repeated paragraphs are kept in memory
 REPEATED_TTL = 30.0  # seconds a user's repeated paragraphs are kept before being read again
+PINNED_MAX = 10  # pinned turns recalled into a chat, the newest first
+PINNED_TTL = 5.0  # seconds a user's pinned turns are kept before being read again (other
+# processes, such as `engram turn pin`, pin without telling this one)
 
 
 def query_text(messages: Sequence[Mapping[str, Any]]) -> str:
@@ -85,6 +88,8 @@ class Recall:
         self._hashes: LRU[str, tuple[str, str, str]] = LRU(TEXT_CACHE)
         # user -> (when read, paragraphs that became scaffolding by repetition)
         self._repeated: LRU[str, tuple[float, frozenset[str]]] = LRU(REPEATED_USERS)
+        # user -> (when read, pinned turns)
+        self._pinned: LRU[str, tuple[float, list[Turn]]] = LRU(REPEATED_USERS)
 
     def query_vector(self, messages: Sequence[Mapping[str, Any]]) -> asyncio.Task[Any] | None:
         s = self.settings.retrieval
@@ -123,7 +128,7 @@ class Recall:
             return bool(scaffold.words_of(role, content).strip())
 
         def keep(turn: Turn) -> bool:
-            return wanted(turn.role, turn.content)
+            return turn.recall >= 0 and wanted(turn.role, turn.content)  # muted: never
 
         session = mt.placement.session if mt.placement else None
         if session is None and mt.identity.parent is not None:
@@ -156,6 +161,7 @@ class Recall:
             sid = session.id
             for item in await self.store.read(lambda c: session_items(c, sid, "summary", 3)):
                 if keep(item):
+                    mt.why[item.id] = Why("hand-back", 1.0, {})
                     extra.append(
                         Recalled(
                             item.id,
@@ -167,6 +173,11 @@ class Recall:
                             1.0,
                         )
                     )
+        if not scope:  # what the user pinned comes into every chat (not a sub-agent's)
+            for item in await self.pinned(mt.identity.user):
+                if wanted(item.role, item.content) and item.id not in mt.why:
+                    mt.why[item.id] = Why("pinned", 1.0, {})
+                    extra.append(recalled(item, 1.0))
         degraded: list[str] = []
         try:
             hits = await self.retriever.search(
@@ -203,10 +214,29 @@ class Recall:
                 if m.id in seen:
                     continue
                 seen.add(m.id)
+                mt.why[m.id] = (
+                    Why("search", h.score, dict(h.ranks))
+                    if m is hit
+                    else Why("neighbour", m.score, {}, h.turn.id)
+                )
                 words = words_recalled(m.role, m.content, repeated)
                 if words.strip():
                     out.append(dataclasses.replace(m, content=words) if words != m.content else m)
         return out
+
+    async def pinned(self, user: str) -> list[Turn]:
+        """The user's pinned turns (the newest :data:`PINNED_MAX`), kept :data:`PINNED_TTL`."""
+        now = time.monotonic()
+        found = self._pinned.get(user)
+        if found is not None and now - found[0] < PINNED_TTL:
+            return found[1]
+        turns = await self.store.read(lambda c: corrections.pinned(c, user, PINNED_MAX))
+        self._pinned[user] = (now, turns)
+        return turns
+
+    def forget_pinned(self, user: str) -> None:
+        """The user's pins changed in this process: read them again at the next request."""
+        self._pinned.pop(user)
 
     def forget_repeated(self, user: str) -> None:
         """The user's repeated paragraphs changed (the archive made one scaffolding)."""
@@ -252,7 +282,7 @@ class Recall:
                 continue
             for d in offsets:
                 t = found.get((h.turn.session_id, h.turn.position + d))
-                if t is not None and wanted(t.role, t.content):
+                if t is not None and t.recall >= 0 and wanted(t.role, t.content):
                     score = h.score * (1 - 0.01 * abs(d))
                     out.setdefault(h.turn.id, []).append(recalled(t, score))
         return out

@@ -25,6 +25,17 @@ class Placement:
     next_position: int  # the position the first new message takes
 
 
+@dataclass(frozen=True, slots=True)
+class Why:
+    """Why a memory was injected: ``via`` search (its fused ``score`` and 1-based ``ranks`` on
+    each path), a neighbour (of the hit ``of``), a hand-back, or pinned."""
+
+    via: str
+    score: float
+    ranks: dict[str, int | None]
+    of: int | None = None
+
+
 @dataclass
 class MemoryTurn:
     """What the memory stages learned about one chat request."""
@@ -59,6 +70,8 @@ class MemoryTurn:
     query_vector: asyncio.Task[Any] | None = None  # the recall query's embedding, under way
     request_id: str | None = None  # X-Engram-Request-Id, recorded for feedback once accepted
     recorded: bool = False  # the request record is written (or under way)
+    why: dict[int, Why] = field(default_factory=dict)  # memory turn id -> why it was recalled
+    memory_ms: float | None = None  # how long the memory stages took before forwarding
 
 
 @dataclass

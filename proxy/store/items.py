@@ -29,12 +29,19 @@ def insert_item(
     turn: NewTurn,
     vector: Vector | None,
     source: str | None,
+    source_turn: int | None = None,
 ) -> int:
     """Store ``turn`` (and its vector) at the session's next item position, with ``source``
-    as its ``source_session``; returns its turn id. Raises :class:`SessionNotFound` when
+    as its ``source_session`` (and ``source_turn``, the turn it was made from, when known);
+    returns its turn id. Raises :class:`SessionNotFound` when
     ``source`` was deleted meanwhile (forgotten: nothing made from it may be stored)."""
     if source is not None and queries.get_session(conn, source) is None:
         raise SessionNotFound(f"session {source!r}, the item's source, no longer exists")
+    if (
+        source_turn is not None
+        and not conn.execute("SELECT 1 FROM turns WHERE id = ?", (source_turn,)).fetchone()
+    ):
+        raise SessionNotFound(f"turn {source_turn}, the item's source, no longer exists")
     positioned = dataclasses.replace(turn, position=next_item_position(conn, session_id))
     (turn_id,) = queries.add_turns(
         conn,
@@ -44,8 +51,11 @@ def insert_item(
         [vector] if vector is not None else None,
         time.time(),
     )
-    if source is not None:
-        conn.execute("UPDATE turns SET source_session = ? WHERE id = ?", (source, turn_id))
+    if source is not None or source_turn is not None:
+        conn.execute(
+            "UPDATE turns SET source_session = ?, source_turn = ? WHERE id = ?",
+            (source, source_turn, turn_id),
+        )
     return turn_id
 
 

@@ -318,6 +318,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (10, later.m010_turn_api),
     (11, later.m011_embed_models),
     (12, later.m012_scaffolds),
+    (13, later.m013_corrections),
 )
 """(version, function), ascending. Append only."""
 

@@ -172,3 +172,19 @@ def m012_scaffolds(conn: Connection) -> None:
         END;
         """,
     )
+
+
+def m013_corrections(conn: Connection) -> None:
+    """What a person corrects (:mod:`proxy.store.corrections`): ``turns.recall`` pins a turn
+    (1: recalled into every chat of its user) or mutes it (-1: never recalled); a fact keeps
+    the turn it was distilled from in ``source_turn`` (forgetting that turn forgets the fact)."""
+    execute_script(
+        conn,
+        """
+        ALTER TABLE turns ADD COLUMN recall INTEGER NOT NULL DEFAULT 0
+            CHECK (recall IN (-1, 0, 1));
+        ALTER TABLE turns ADD COLUMN source_turn INTEGER;
+        CREATE INDEX turns_pinned ON turns(user_id, id) WHERE recall = 1;
+        CREATE INDEX turns_source_turn ON turns(source_turn) WHERE source_turn IS NOT NULL;
+        """,
+    )

@@ -148,6 +148,9 @@ class Turn:
     content_hash: str
     incomplete: bool
     api: str | None = None
+    recall: int = 0
+    """1: pinned (recalled into every chat of its user), -1: muted (never recalled), 0: as
+    search finds it (:mod:`proxy.store.corrections`)."""
 
 
 @dataclass(frozen=True, slots=True)

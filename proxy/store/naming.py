@@ -8,11 +8,11 @@ another. A new session's id is its name when no session has that id yet (so ids 
 otherwise ``<name>~<hash of user and name>`` (or a random one should that be taken too).
 
 Names Engram gives its own sessions start with a prefix of :data:`RESERVED_PREFIXES`
-(consolidation's ``facts~<user>``); a client's name never does (:mod:`proxy.chat.sessions` maps
-such a name to another one), so no client can take or write into them. The other names Engram
-makes are its conversation sessions' ``s-<random>`` (placed by their messages' hash chain; the
-client may send one back, and it is its own) and ``h-<hash>`` for a client id that is not a safe
-string (:mod:`proxy.chat.identity`).
+(consolidation's ``facts~<user>``, the notes' ``notes~<user>``); a client's name never does
+(:mod:`proxy.chat.sessions` maps such a name to another one), so no client can take or write
+into them. The other names Engram makes are its conversation sessions' ``s-<random>`` (placed
+by their messages' hash chain; the client may send one back, and it is its own) and
+``h-<hash>`` for a client id that is not a safe string (:mod:`proxy.chat.identity`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from proxy.store.rows import SESSION_COLS, json_list, session_of
 
 FACTS_PREFIX = "facts~"
 """``facts~<user>``: the session of the facts consolidation distils for a user."""
-RESERVED_PREFIXES = (FACTS_PREFIX,)
+NOTES_PREFIX = "notes~"
+"""``notes~<user>``: the session of the notes a person adds (the inspector, the admin API, MCP)."""
+RESERVED_PREFIXES = (FACTS_PREFIX, NOTES_PREFIX)
 """Names starting so are Engram's own; no client name does."""
 
 

@@ -18,7 +18,7 @@ SESSION_COLS = (
 )
 TURN_COLS = (
     "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
-    "timestamp, token_count, content_hash, incomplete, api"
+    "timestamp, token_count, content_hash, incomplete, api, recall"
 )
 TURN_COLS_T = ", ".join(f"t.{c.strip()}" for c in TURN_COLS.split(","))
 
@@ -56,6 +56,7 @@ def turn_of(row: Sequence[Any]) -> Turn:
         content_hash=row[11],
         incomplete=bool(row[12]),
         api=row[13],
+        recall=row[14],
     )
 
 

@@ -103,6 +103,8 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "api",
         "embed_model",
         "scaffold",
+        "recall",
+        "source_turn",
     ]
     assert _columns(conn, "embed_models") == ["id", "name", "dim"]
     assert _columns(conn, "scaffolds") == [
