@@ -33,6 +33,7 @@ from proxy.errors import (
     PayloadTooLarge,
     error_response,
 )
+from proxy.inspector.routes import add_routes as add_inspector_routes
 from proxy.logs import event
 from proxy.relay import read_body, relay
 from proxy.services import SERVICES, open_services
@@ -71,6 +72,7 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
     app.router.add_get("/engram/health", health)
     app.router.add_get("/engram/metrics", metrics)
     add_admin_routes(app)
+    add_inspector_routes(app, settings)
     app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)
     for api in apis:
         for path in api.paths:

@@ -127,6 +127,20 @@ class Authenticator:
             code="invalid_admin_token" if given is not None else "admin_token_required",
         )
 
+    async def key_active(self, key_id: str) -> bool:
+        """Whether the key of this id still works (not revoked, not deleted): a sign-in made
+        with a key ends when the key does (within :data:`KEY_CACHE_SECONDS`)."""
+        if self.store is None:
+            return False
+        now = self._clock()
+        cached = self._cache.get(key_id)
+        if cached is not None and now - cached[0] < KEY_CACHE_SECONDS:
+            row = cached[1]
+        else:
+            row = await self.store.read(lambda c: find_key(c, key_id))
+            self._cache[key_id] = (now, row)
+        return row is not None and row.revoked_at is None
+
     async def _key(self, given: str) -> KeyRow | None:
         """The working key ``given`` is, or None (unknown, revoked, wrong secret)."""
         parsed = parse_key(given)

@@ -601,6 +601,25 @@ class LimitsSettings:
 
 
 @dataclass(frozen=True)
+class InspectorSettings:
+    """[inspector] — the web page at /engram/ that shows what Engram remembers, what it sent and
+    why, and lets a person correct it."""
+
+    enabled: bool = opt(
+        True,
+        "Serve the inspector at /engram/ (signing in takes the admin token or, with "
+        "auth.mode = keys, a user's key). false: /engram/ answers 404.",
+    )
+    session_hours: float = opt(
+        8.0,
+        "Hours a sign-in lasts (the cookie's and the server's expiry); signing out ends it "
+        "at once. Sign-ins live in the server's memory: a restart signs everyone out.",
+        min=0.01,
+        max=720,
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     """All of Engram's settings."""
 
@@ -617,6 +636,7 @@ class Settings:
     consolidation: ConsolidationSettings = field(default_factory=ConsolidationSettings)
     slots: SlotsSettings = field(default_factory=SlotsSettings)
     limits: LimitsSettings = field(default_factory=LimitsSettings)
+    inspector: InspectorSettings = field(default_factory=InspectorSettings)
 
     def __post_init__(self) -> None:
         problem = _cross_check(self)

@@ -45,6 +45,7 @@ class RequestView:
     skipped: str | None
     memory_ms: float | None
     injected: list[int]
+    summary: str | None  # the rolling summary the prompt carried
     status: int | None = None
     expansions: int = 0
 
@@ -86,6 +87,7 @@ class RecentRequests:
             mt.skipped,
             mt.memory_ms,
             list(mt.injected),
+            mt.summary,
         )
         self._put(request_id, view)
         if mt.memory_ms is not None:

@@ -1,0 +1,166 @@
+"""Paged reads for the inspector's pages: one user's sessions (filtered), a session's turns, its
+sub-sessions, the user's facts and notes. Every query is bounded by a page (``LIMIT``) and walks
+an index, so a page costs the same at 100,000 turns as at 100 (``bench.inspector``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.store.db import Connection
+from proxy.store.models import Session, Turn
+from proxy.store.rows import SESSION_COLS, TURN_COLS, json_list, session_of, turn_of
+
+FIRST_LINE_CHARS = 160
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    """A session as the sessions page lists it."""
+
+    session: Session
+    turns: int
+    first_line: str  # the start of its first user message ("" when it has none)
+    apis: tuple[str, ...]  # the chat APIs its turns came through
+
+
+def session_page(
+    conn: Connection,
+    user_id: str,
+    *,
+    limit: int,
+    offset: int = 0,
+    name: str | None = None,
+    among: Sequence[str] | None = None,
+    api: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+) -> tuple[list[SessionRow], int]:
+    """A page of the user's sessions, most recently seen first, and how many match. ``name``:
+    its name contains this, or (``among``) it is one of these session ids; ``api``: one of its
+    turns came through this chat API; ``since`` / ``until``: seen at or after, started before."""
+    where: list[str] = ["user_id = ?"]
+    args: list[Any] = [user_id]
+    if name is not None or among is not None:
+        alts = []
+        if name is not None:
+            alts.append("instr(lower(name), lower(?)) > 0")
+            args.append(name)
+        if among is not None:
+            alts.append("id IN (SELECT value FROM json_each(?))")
+            args.append(json_list(among))
+        where.append("(" + " OR ".join(alts) + ")")
+    if api is not None:
+        where.append(
+            "EXISTS (SELECT 1 FROM turns t WHERE t.session_id = sessions.id AND t.api = ?)"
+        )
+        args.append(api)
+    if since is not None:
+        where.append("last_seen >= ?")
+        args.append(since)
+    if until is not None:
+        where.append("created_at < ?")
+        args.append(until)
+    cond = " AND ".join(where)
+    params = args
+    (total,) = conn.execute(f"SELECT count(*) FROM sessions WHERE {cond}", params).fetchone()
+    rows = conn.execute(
+        f"SELECT {SESSION_COLS} FROM sessions WHERE {cond}"
+        " ORDER BY last_seen DESC, id LIMIT ? OFFSET ?",
+        [*params, limit, offset],
+    ).fetchall()
+    return [_row(conn, session_of(r)) for r in rows], int(total)
+
+
+def _row(conn: Connection, s: Session) -> SessionRow:
+    (turns,) = conn.execute(
+        "SELECT count(*) FROM turns WHERE session_id = ? AND position >= 0", (s.id,)
+    ).fetchone()
+    first = conn.execute(
+        "SELECT substr(content, 1, ?) FROM turns WHERE session_id = ? AND position >= 0"
+        " AND role = 'user' AND trim(content) != '' ORDER BY position LIMIT 1",
+        (FIRST_LINE_CHARS, s.id),
+    ).fetchone()
+    apis = conn.execute(
+        "SELECT DISTINCT api FROM turns WHERE session_id = ? AND api IS NOT NULL LIMIT 5",
+        (s.id,),
+    ).fetchall()
+    return SessionRow(s, int(turns), str(first[0]) if first else "", tuple(a[0] for a in apis))
+
+
+def session_apis(conn: Connection, user_id: str, limit: int = 20) -> list[str]:
+    """The chat APIs the user's recent turns came through (the sessions page's filter)."""
+    rows = conn.execute(
+        "SELECT DISTINCT api FROM (SELECT api FROM turns WHERE user_id = ? AND api IS NOT NULL"
+        " ORDER BY id DESC LIMIT 5000) LIMIT ?",
+        (user_id, limit),
+    )
+    return sorted(str(r[0]) for r in rows)
+
+
+def turn_page(conn: Connection, session_id: str, *, limit: int, offset: int = 0) -> list[Turn]:
+    """A page of a session's messages (positions 0, 1, …), in order."""
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position >= 0"
+        " ORDER BY position LIMIT ? OFFSET ?",
+        (session_id, limit, offset),
+    )
+    return [turn_of(r) for r in rows]
+
+
+def items_of(conn: Connection, session_id: str, role: str, limit: int) -> list[Turn]:
+    """A session's memory items of a role (hand-backs: ``summary``; facts), the newest first."""
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position < 0 AND role = ?"
+        " ORDER BY position LIMIT ?",
+        (session_id, role, limit),
+    )
+    return [turn_of(r) for r in rows]
+
+
+def sub_sessions(conn: Connection, session_id: str, limit: int = 500) -> list[tuple[Session, int]]:
+    """The sessions under this one (sub-agents, theirs…), each with its depth below it, in tree
+    order (a parent before its children)."""
+    rows = conn.execute(
+        "WITH RECURSIVE tree(id, depth, path) AS ("
+        " SELECT id, 0, id FROM sessions WHERE id = ?"
+        " UNION ALL SELECT s.id, t.depth + 1, t.path || char(31) || s.created_at || s.id"
+        " FROM sessions s JOIN tree t ON s.parent_id = t.id WHERE t.depth < 64)"
+        f" SELECT {', '.join('s.' + c.strip() for c in SESSION_COLS.split(','))}, tree.depth"
+        " FROM tree JOIN sessions s ON s.id = tree.id WHERE tree.depth > 0"
+        " ORDER BY tree.path LIMIT ?",
+        (session_id, limit),
+    )
+    return [(session_of(r[:-1]), int(r[-1])) for r in rows]
+
+
+def user_items(
+    conn: Connection, user_id: str, role: str, *, limit: int, offset: int = 0
+) -> tuple[list[Turn], int]:
+    """A page of the user's items of a role (facts), the newest first, and how many."""
+    (total,) = conn.execute(
+        "SELECT count(*) FROM turns WHERE user_id = ? AND role = ? AND position < 0",
+        (user_id, role),
+    ).fetchone()
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE user_id = ? AND role = ? AND position < 0"
+        " ORDER BY id DESC LIMIT ? OFFSET ?",
+        (user_id, role, limit, offset),
+    )
+    return [turn_of(r) for r in rows], int(total)
+
+
+def session_turns_newest(
+    conn: Connection, session_id: str, *, limit: int, offset: int = 0
+) -> tuple[list[Turn], int]:
+    """A page of a session's messages, the newest first, and how many (the notes)."""
+    (total,) = conn.execute(
+        "SELECT count(*) FROM turns WHERE session_id = ? AND position >= 0", (session_id,)
+    ).fetchone()
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position >= 0"
+        " ORDER BY position DESC LIMIT ? OFFSET ?",
+        (session_id, limit, offset),
+    )
+    return [turn_of(r) for r in rows], int(total)
