@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from proxy.slots.model import Slot
+from proxy.slots.model import DESCRIPTION_CHARS, Slot, SlotInfo
 from proxy.store.db import Connection
 from proxy.store.forget import purge_links
 from proxy.store.slots import (
@@ -21,6 +21,7 @@ from proxy.store.slots import (
     slot_figures,
     take_slot,
     upsert_slots,
+    user_slot_page,
 )
 from proxy.store.store import Store
 
@@ -50,6 +51,33 @@ class EmbeddedSlots:
             tokens=row.tokens,
             description=row.description,
         )
+
+    async def listing(
+        self, user: str, ttl: float, limit: int, offset: int = 0
+    ) -> tuple[list[SlotInfo], int]:
+        """A page of ``user``'s unexpired slots, the latest used first (last use: expiry less
+        ``ttl``), without content and without touching their TTL; and how many there are."""
+        now = time.time()
+        rows, total = await self.store.read(
+            lambda c: user_slot_page(
+                c, user, now, limit=limit, offset=offset, description_chars=DESCRIPTION_CHARS
+            )
+        )
+        infos = [
+            SlotInfo(
+                id=r.id,
+                tool=r.tool,
+                description=r.description,
+                tokens=r.tokens,
+                bytes=r.bytes,
+                created_at=r.created_at,
+                last_used=r.expires_at - ttl,
+                expires_at=r.expires_at,
+                backend="embedded",
+            )
+            for r in rows
+        ]
+        return infos, total
 
     async def purge(self) -> int:
         """Delete the expired rows (and the session links kept past their time); how many

@@ -18,7 +18,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -26,13 +26,15 @@ from redis.backoff import NoBackoff
 
 from proxy.config import SlotsSettings
 from proxy.logs import event
-from proxy.slots.model import Slot
+from proxy.slots.model import DESCRIPTION_CHARS, Slot, SlotInfo
 
 T = TypeVar("T")
 
 log = logging.getLogger("engram.slots")
 
 SCAN_BATCH = 1000
+INFO_FIELDS = ("tool", "tokens", "description", "bytes", "created")
+"""The fields a listing reads (never ``content``)."""
 
 
 def user_namespace(prefix: str, user: str) -> str:
@@ -131,6 +133,27 @@ class RedisSlots:
                     size += int(value)
         return slots, size
 
+    async def infos(self, user: str, ttl: int) -> list[SlotInfo]:
+        """``user``'s slots without their content (SCAN of the user's namespace, then HMGET of
+        :data:`INFO_FIELDS` and PTTL, pipelined per batch); their TTLs are not touched. Last
+        use: now less (``ttl`` less the remaining TTL)."""
+        namespace = user_namespace(self.prefix, user)
+        found: dict[str, SlotInfo] = {}
+        for batch in await self._scan(f"{glob_escape(namespace)}:*"):
+            keys = [k for k in dict.fromkeys(batch) if k[len(namespace) + 1 :] not in found]
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hmget(key, INFO_FIELDS)
+                    pipe.pttl(key)
+                replies = await self._bounded(pipe.execute(raise_on_error=False))
+            now = time.time()
+            for i, key in enumerate(keys):
+                slot_id = key[len(namespace) + 1 :]
+                info = slot_info(slot_id, replies[2 * i], replies[2 * i + 1], now, ttl)
+                if info is not None:
+                    found[slot_id] = info
+        return list(found.values())
+
     async def forget(self, user: str) -> int:
         deleted = 0
         for keys in await self._scan(f"{glob_escape(user_namespace(self.prefix, user))}:*"):
@@ -149,6 +172,30 @@ class RedisSlots:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+def slot_info(slot_id: str, fields: Any, pttl: Any, now: float, ttl: int) -> SlotInfo | None:
+    """The listing entry of one key from its HMGET and PTTL replies; None when it is gone (expired
+    since the SCAN) or is no slot hash (an error reply)."""
+    if isinstance(fields, Exception) or isinstance(pttl, Exception) or pttl == -2:
+        return None
+    tool, tokens, description, size, created = fields
+    if tool is None and size is None:
+        return None
+    expires_at = now + pttl / 1000 if pttl >= 0 else None
+    last_used = now - (ttl - pttl / 1000) if pttl >= 0 else None
+    created_at = float(created) if created else (last_used or now)
+    return SlotInfo(
+        id=slot_id,
+        tool=tool or "",
+        description=(description or "")[:DESCRIPTION_CHARS],
+        tokens=int(tokens or 0),
+        bytes=int(size or 0),
+        created_at=created_at,
+        last_used=min(last_used, now) if last_used is not None else created_at,
+        expires_at=expires_at,
+        backend="redis",
+    )
 
 
 def open_redis(settings: SlotsSettings) -> RedisSlots | None:

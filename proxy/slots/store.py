@@ -64,7 +64,8 @@ from proxy.slots.figures import (
     zero_counts,
 )
 from proxy.slots.links import SlotLinks
-from proxy.slots.model import Slot
+from proxy.slots.listing import list_slots
+from proxy.slots.model import Slot, SlotListing
 from proxy.slots.quota import SlotQuota
 from proxy.slots.redis import RedisSlots, open_redis
 from proxy.store.counters import add_counters
@@ -259,6 +260,14 @@ class SlotStore:
             return None
         self._embedded_works()
         return (slot, EMBEDDED) if slot is not None else None
+
+    async def list_user(self, user: str, limit: int = 200, offset: int = 0) -> SlotListing:
+        """A page of ``user``'s live slots on every backend reachable, the latest used first,
+        with the total and whether Redis was unreachable (:mod:`proxy.slots.listing`). Raises
+        only when the embedded table cannot be read (or for a negative limit or offset)."""
+        return await list_slots(
+            self.embedded, self._live_redis(), self.settings, user, limit, offset
+        )
 
     async def forget_user(self, user: str) -> int:
         """Delete ``user``'s slots everywhere it can reach; how many. Raises when the embedded

@@ -92,3 +92,39 @@ def user_slot_sizes(conn: Connection, user: str, now: float) -> list[tuple[str, 
         (user, now),
     )
     return [(str(r[0]), int(r[1]), float(r[2])) for r in rows]
+
+
+class SlotSummary(NamedTuple):
+    """A slot row without its content (the inspector's listing)."""
+
+    id: str
+    tool: str
+    description: str
+    tokens: int
+    bytes: int
+    created_at: float
+    expires_at: float
+
+
+def user_slot_page(
+    conn: Connection,
+    user: str,
+    now: float,
+    *,
+    limit: int,
+    offset: int = 0,
+    description_chars: int = 200,
+) -> tuple[list[SlotSummary], int]:
+    """A page of ``user``'s rows not expired at ``now``, the latest expiry (last use) first,
+    descriptions cut to ``description_chars``, content not read; and how many such rows."""
+    live = "FROM slots WHERE user_id = ? AND expires_at > ?"
+    (total,) = conn.execute(f"SELECT count(*) {live}", (user, now)).fetchone()
+    rows = conn.execute(
+        "SELECT id, tool, substr(description, 1, ?), tokens, bytes, created_at, expires_at"
+        f" {live} ORDER BY expires_at DESC, id LIMIT ? OFFSET ?",
+        (description_chars, user, now, limit, offset),
+    )
+    return [
+        SlotSummary(str(r[0]), str(r[1]), str(r[2]), int(r[3]), int(r[4]), float(r[5]), float(r[6]))
+        for r in rows
+    ], int(total)
