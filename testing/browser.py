@@ -13,6 +13,7 @@ looks for it on PATH.
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import os
 import shutil
@@ -52,6 +53,22 @@ class DevToolsError(RuntimeError):
     """Chromium answered a DevTools command with an error, or a page's script threw."""
 
 
+def chromium_or_skip() -> str:
+    """Chromium's path for a test; skipped with the reason when there is none, and failed under
+    CI (``CI=true``), since ``make test`` installs it."""
+    import pytest
+
+    binary = find_chromium()
+    if binary is None:
+        reason = (
+            "no Chromium on PATH; install Debian's (apt-get install chromium), as `make test` does"
+        )
+        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+            pytest.fail(f"CI=true but {reason}", pytrace=False)
+        pytest.skip(reason)
+    return binary
+
+
 def find_chromium() -> str | None:
     for name in NAMES:
         found = shutil.which(name)
@@ -81,6 +98,39 @@ class Page:
         if "exceptionDetails" in reply:
             raise DevToolsError(f"the page's script threw: {reply['exceptionDetails']}")
         return reply["result"].get("value")
+
+    async def goto(self, url: str, timeout: float = 30.0) -> None:
+        """Navigate this tab to ``url`` and wait for its load event."""
+        loaded = self.browser.expect("Page.loadEventFired", self.session_id)
+        navigated = await self.send("Page.navigate", url=url)
+        if navigated.get("errorText"):
+            raise DevToolsError(f"could not open {url}: {navigated['errorText']}")
+        await asyncio.wait_for(loaded, timeout)
+
+    async def act(self, expression: str, timeout: float = 30.0) -> None:
+        """Run ``expression`` (a click, a form's submit) and wait for the page it loads."""
+        loaded = self.browser.expect("Page.loadEventFired", self.session_id)
+        await self.evaluate(expression, timeout)
+        await asyncio.wait_for(loaded, timeout)
+
+    async def text(self) -> str:
+        """The page's visible text."""
+        return str(await self.evaluate("document.body.innerText"))
+
+    async def url(self) -> str:
+        return str(await self.evaluate("location.href"))
+
+    async def screenshot(self, path: Path) -> Path:
+        """The tab as a PNG at ``path`` (its folder made if needed)."""
+        shot = await self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+        data = base64.b64decode(shot["data"])
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+
+        await asyncio.to_thread(write)
+        return path
 
 
 @dataclass

@@ -327,15 +327,15 @@ async def slots_page(request: web.Request, v: Visit) -> web.StreamResponse:
     if slots is None:
         return render(request, "slots.html", v, slots=None, rows=[], total=0, page=1, pages=1)
     listed = await slots.list_user(v.user, limit=PAGE, offset=(n - 1) * PAGE)
-    rows, total = listed[0], listed[1]
+    total = listed.total
     return render(
         request,
         "slots.html",
         v,
         slots=slots,
-        rows=rows,
+        rows=listed.slots,
         total=total,
         page=n,
         pages=max(1, -(-total // PAGE)),
-        redis_down=bool(listed[2]) if len(listed) > 2 else False,
+        redis_down=listed.redis_unreachable,
     )

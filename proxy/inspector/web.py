@@ -57,6 +57,7 @@ class Inspector:
 
 
 INSPECTOR = web.AppKey("inspector", Inspector)
+STARTED = web.RequestKey("inspector_started", float)  # when the page's handler began
 
 
 def templates() -> jinja2.Environment:
@@ -151,7 +152,7 @@ def render(
     **context: Any,
 ) -> web.Response:
     env = request.app[INSPECTOR].templates
-    started = request.get("inspector_started", time.perf_counter())
+    started = request.get(STARTED, time.perf_counter())
     html = env.get_template(name).render(
         v=v,
         msg=request.query.get("msg", ""),
@@ -169,7 +170,7 @@ def page(fn: Callable[[web.Request, Visit], Awaitable[web.StreamResponse]]) -> H
 
     @functools.wraps(fn)
     async def handler(request: web.Request) -> web.StreamResponse:
-        request["inspector_started"] = time.perf_counter()
+        request[STARTED] = time.perf_counter()
         try:
             v = await visit(request, request.query.get("user"))
         except Unauthorized:
@@ -189,7 +190,7 @@ def form(fn: Callable[[web.Request, Visit, Any], Awaitable[web.StreamResponse]])
 
     @functools.wraps(fn)
     async def handler(request: web.Request) -> web.StreamResponse:
-        request["inspector_started"] = time.perf_counter()
+        request[STARTED] = time.perf_counter()
         data = await request.post()
         try:
             v = await visit(request, _field(data, "user"))

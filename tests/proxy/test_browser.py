@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import pytest_asyncio
 from aiohttp import web
 
 from proxy.services import SERVICES
-from testing.browser import Chromium, find_chromium
+from testing.browser import Chromium, chromium_or_skip
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, settle, start_engram
 
@@ -45,15 +44,7 @@ FILLER = {"messages": [{"role": "user", "content": "Let us talk about the weathe
 
 @pytest.fixture
 def chromium() -> str:
-    binary = find_chromium()
-    if binary is None:
-        reason = (
-            "no Chromium on PATH; install Debian's (apt-get install chromium), as `make test` does"
-        )
-        if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
-            pytest.fail(f"CI=true but {reason}", pytrace=False)
-        pytest.skip(reason)
-    return binary
+    return chromium_or_skip()
 
 
 @pytest_asyncio.fixture
