@@ -246,6 +246,7 @@ async def edit_fact(
         {"id": turn.id, "replaces": fact_id, "content": turn.content},
         turn=fact_id,
         scrub=True,
+        pins_changed=True,  # a pinned fact's old words may be in the pinned turns kept
     )
     return turn, done
 

@@ -16,7 +16,7 @@
     POST   /engram/api/turns/{id}/recall        {"recall": "pinned" | "muted" | "normal"}
     DELETE /engram/api/memory?confirm=yes       all of the user's memory (keys stay)
     POST   /engram/api/notes                    {"text"}: a note, recalled like a turn
-    POST   /engram/api/facts/{id}               {"text"}: a fact corrected (a new id)
+    POST   /engram/api/facts/{id}               {"text"}: a fact corrected (a new row)
     DELETE /engram/api/facts/{id}               a fact deleted
 
 The corrections are :mod:`proxy.api.actions`, shared with the inspector, MCP and the CLI.
@@ -281,7 +281,7 @@ async def note_handler(request: web.Request) -> web.Response:
 
 
 async def fact_edit_handler(request: web.Request) -> web.Response:
-    """``{"text"}``: the fact says this now (a new id; the old one and its words are gone)."""
+    """``{"text"}``: the fact says this now (a new row; the old one and its words are gone)."""
     fact_id = actions.parse_turn_id(request.match_info["id"])
     text = actions.clean_text((await json_object(request)).get("text"))
     parts, user = _parts(request), request_user(request)

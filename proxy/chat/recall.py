@@ -47,7 +47,7 @@ REPEATED_USERS = 1024  # users whose repeated paragraphs are kept in memory
 REPEATED_TTL = 30.0  # seconds a user's repeated paragraphs are kept before being read again
 PINNED_MAX = 10  # pinned turns recalled into a chat, the newest first
 PINNED_TTL = 5.0  # seconds a user's pinned turns are kept before being read again (other
-# processes, such as `engram turn pin`, pin without telling this one)
+# processes, such as `engram pin`, pin without telling this one)
 
 
 def query_text(messages: Sequence[Mapping[str, Any]]) -> str:

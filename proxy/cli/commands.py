@@ -1,6 +1,7 @@
-"""The ``engram`` commands that read or change memory: search, sessions, forget, export, import,
-stats, doctor, reindex (:mod:`proxy.cli.reindex`). Each opens the database directly (no server
-needed) in one ``asyncio.run``.
+"""The ``engram`` commands that read or change memory: search, sessions, export, import, stats,
+doctor, reindex (:mod:`proxy.cli.reindex`), and the corrections (forget, note, fact, pin, mute,
+unpin: :mod:`proxy.cli.corrections`). Each opens the database directly (no server needed) in one
+``asyncio.run``.
 
 Exit codes: 0 done; 1 failed (nothing found, every import line bad, a doctor check failed);
 2 bad usage.
@@ -20,6 +21,8 @@ from typing import Any, TextIO
 
 from proxy.api import views as api
 from proxy.background.stats import read_counters, token_figures
+from proxy.cli import corrections
+from proxy.cli.corrections import open_embedder
 from proxy.cli.doctor import database_path, run_doctor
 from proxy.cli.importer import ImportReport, import_records
 from proxy.cli.progress import Progress
@@ -28,17 +31,12 @@ from proxy.config import Settings, replace
 from proxy.errors import BadRequest, EngramError
 from proxy.jsonl import LineError, Source, export_line, parse_line
 from proxy.redact import redact
-from proxy.search.embedder import Embedder
 from proxy.search.loading import load_embedder
-from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_embedder
 from proxy.search.pool import EmbedderPool
 from proxy.search.retrieval import Retriever
 from proxy.slots.figures import offline_stats
-from proxy.slots.redis import forget_redis_slots, forget_redis_user
 from proxy.store.counters import memory_counts
-from proxy.store.forget import forget_session
 from proxy.store.lock import DatabaseBusy, DatabaseLock
-from proxy.store.naming import sessions_named
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]
@@ -50,7 +48,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.command == "doctor":
         return asyncio.run(run_doctor(settings))
     path = database_path(settings)
-    if args.command != "import" and not path.exists():
+    if args.command not in ("import", "note") and not path.exists():
         return fail(f"no memory database at {path} (nothing stored yet; see --db)")
     try:
         if args.command == "import":
@@ -79,16 +77,6 @@ def fail(message: str) -> int:
 async def _with_store(command: Command, args: argparse.Namespace, s: Settings, path: Path) -> int:
     async with Store(path) as store:
         return await command(args, s, store)
-
-
-async def open_embedder(settings: Settings, store: Store) -> Embedder | None:
-    """The configured embedder, or None (with a warning saying why and what to do) when it
-    cannot be used here: it does not load, or the database's vectors are another model's."""
-    try:
-        return await usable_embedder(store, settings.embedder)
-    except (ModelUnavailable, VectorsMismatch) as exc:
-        print(f"engram: warning: working without vectors: {exc}", file=sys.stderr)
-        return None
 
 
 def _print_json(value: Any) -> None:
@@ -124,7 +112,8 @@ async def search(args: argparse.Namespace, settings: Settings, store: Store) -> 
         ranks = "  ".join(f"{p} {hit.ranks.get(p) or '-':>3}" for p in ("fts", "vec"))
         t = hit.turn
         via = f"  via {t.api}" if t.api else ""
-        print(f"{i:>3}. {hit.score:.4f}  {ranks}  {api.iso(t.timestamp)[:16]}  {t.session_id}{via}")
+        when = api.iso(t.timestamp)[:16]
+        print(f"{i:>3}. {hit.score:.4f}  {ranks}  {when}  {t.session_id}{via}  turn {t.id}")
         print(f"     {t.speaker or t.role}: {_one_line(t.content)}")
     return 0
 
@@ -145,78 +134,6 @@ async def sessions(args: argparse.Namespace, settings: Settings, store: Store) -
             f"last seen {r['last_seen_iso'][:16]}{extra}"
         )
     return 0
-
-
-async def forget(args: argparse.Namespace, settings: Settings, store: Store) -> int:
-    if args.all:
-        if args.session or not args.user:
-            raise BadRequest("use either SESSION_ID or --user U --all")
-        user = api.clean_user(args.user)
-        if user not in await store.list_users():
-            return fail(f"no user namespace {user!r}")
-        stats = await store.stats()
-        turns, n = stats.per_user.get(user, 0), len(await store.list_sessions(user))
-        if not args.yes:
-            print(
-                f"engram: this deletes user {user!r}: {n} sessions, {turns} turns. "
-                "Add --yes to do it.",
-                file=sys.stderr,
-            )
-            return 2
-        await store.delete_user(user)  # its embedded slots go with it (trigger)
-        await _scrub(store)
-        print(f"deleted user {user!r}: {n} sessions, {turns} turns")
-        if settings.slots.redis_url:
-            gone = await forget_redis_user(settings.slots, user)
-            if gone is None:
-                print(
-                    "engram: warning: Redis is unreachable; the user's tool-result slots there "
-                    "expire on their own (slots.ttl_seconds)",
-                    file=sys.stderr,
-                )
-            else:
-                print(f"deleted {gone} tool-result slots from Redis")
-        return 0
-    if not args.session:
-        raise BadRequest("give a SESSION_ID (or --user U --all to delete a whole namespace)")
-    if args.user:
-        session = await api.owned_session(store, api.clean_user(args.user), args.session)
-    else:  # a session id is a name within its user: it must name one user's session
-        found = await store.read(lambda c: sessions_named(c, args.session))
-        if len(found) > 1:
-            users = ", ".join(sorted(s.user_id for s in found))
-            return fail(f"users {users} each have a session {args.session!r}: give --user U")
-        if not found:
-            return fail(f"no session {args.session!r}")
-        session = found[0]
-    turns = await store.count_turns(session.id)
-    done = await store.write(lambda c: forget_session(c, session.id, session.user_id))
-    if done is None:  # deleted meanwhile (a server on the same database)
-        return fail(f"no session {args.session!r}")
-    await _scrub(store)
-    print(f"deleted session {session.name!r} of user {session.user_id!r} ({turns} turns)")
-    slots = done.slot_ids
-    if not slots or not settings.slots.redis_url:
-        return 0
-    if await forget_redis_slots(settings.slots, done.user_id, slots) is None:
-        print(
-            f"engram: warning: Redis is unreachable; {len(slots)} tool-result slots of the "
-            "session expire there on their own (slots.ttl_seconds)",
-            file=sys.stderr,
-        )
-    return 0
-
-
-async def _scrub(store: Store) -> None:
-    """Make the deleted rows' bytes leave the files (FTS merge, vacuum, checkpoint) before the
-    command exits."""
-    report = await store.scrubber.scrub()
-    if report is not None and not report.checkpointed:
-        print(
-            "engram: warning: the write-ahead log could not be emptied (another process is "
-            "reading); it is when that process next checkpoints or stops",
-            file=sys.stderr,
-        )
 
 
 def export(args: argparse.Namespace, path: Path) -> int:
@@ -402,6 +319,6 @@ def loop_lines(tokens: dict[str, Any], loop: dict[str, Any]) -> list[str]:
 COMMANDS: dict[str, Command] = {
     "search": search,
     "sessions": sessions,
-    "forget": forget,
     "stats": stats,
+    **corrections.COMMANDS,
 }

@@ -72,6 +72,11 @@ MEMORY_COMMANDS = (
     "search",
     "sessions",
     "forget",
+    "note",
+    "fact",
+    "pin",
+    "mute",
+    "unpin",
     "export",
     "import",
     "stats",
@@ -99,11 +104,48 @@ def _memory_commands(sub: Any) -> None:
     p = add("sessions", "list sessions")
     p.add_argument("--user", help="only this user namespace (default: every user)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = add("forget", "delete a session, or (--user U --all --yes) a whole user namespace")
+    p = add(
+        "forget",
+        "delete a session, a turn (--turn ID) or (--user U --all --yes) a whole user namespace",
+    )
     p.add_argument("session", nargs="?", metavar="SESSION_ID")
-    p.add_argument("--user", help="the user namespace the session belongs to")
+    p.add_argument(
+        "--turn",
+        metavar="ID",
+        help="delete this turn and what was made from it (facts, summaries, hand-backs)",
+    )
+    p.add_argument(
+        "--user", help="the user namespace (default: a session's owner; a turn's: default)"
+    )
     p.add_argument("--all", action="store_true", help="delete everything of --user")
     p.add_argument("--yes", action="store_true", help="confirm --all")
+    p = add("note", "add a note, recalled like a turn of yours (prints its turn id)")
+    p.add_argument("text", metavar="TEXT", help='what to remember ("I moved to Lisbon")')
+    p.add_argument("--user", help="user namespace (default: default)")
+    p = add("fact", "correct or delete a fact that consolidation distilled")
+    p.add_argument("--user", help="user namespace (default: default)")
+    facts = p.add_subparsers(dest="action", required=True, metavar="{edit,delete}")
+    for name, help in (("edit", "replace a fact's text (it gets a new id)"), ("delete", "")):
+        f = facts.add_parser(name, help=help or "delete a fact and its words")
+        # Given after the action too; SUPPRESS keeps a value given before it.
+        f.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        f.add_argument(
+            "--db", metavar="PATH", default=argparse.SUPPRESS, help="the memory database file"
+        )
+        f.add_argument("id", metavar="ID", help="the fact's turn id (engram search shows it)")
+        if name == "edit":
+            f.add_argument("text", metavar="TEXT", help="what the fact says now")
+        f.add_argument(
+            "--user", default=argparse.SUPPRESS, help="user namespace (default: default)"
+        )
+    for name, help in (
+        ("pin", "recall a turn into every chat of its user"),
+        ("mute", "never recall a turn"),
+        ("unpin", "recall a turn only when search finds it (undoes pin and mute)"),
+    ):
+        p = add(name, help)
+        p.add_argument("id", metavar="ID", help="the turn's id (engram search shows it)")
+        p.add_argument("--user", help="user namespace (default: default)")
     p = add("export", "write memory as JSON Lines (readable by engram import)")
     p.add_argument("--user", help="only this user namespace (default: every user)")
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")

@@ -28,7 +28,7 @@ import jinja2
 from aiohttp import web
 
 from proxy.api.views import clean_user
-from proxy.errors import EngramError, Forbidden, Unauthorized
+from proxy.errors import EngramError, Forbidden, ServiceUnavailable, Unauthorized
 from proxy.inspector.signin import COOKIE, WebSession, WebSessions
 from proxy.services import SERVICES, MemoryParts
 
@@ -140,7 +140,10 @@ async def visit(request: web.Request, named: str | None) -> Visit:
 def parts_of(request: web.Request) -> MemoryParts:
     parts = request.app[SERVICES].parts
     if parts is None:
-        raise EngramError("Memory is disabled (memory.enabled = false): nothing to inspect.")
+        raise ServiceUnavailable(
+            "Memory is disabled (memory.enabled = false): nothing to inspect.",
+            code="memory_disabled",
+        )
     return parts
 
 

@@ -130,9 +130,10 @@ def notes_session(conn: Connection, user_id: str, now: float) -> str:
 def replace_fact(
     conn: Connection, user_id: str, fact_id: int, new: NewTurn, vector: Vector | None
 ) -> Turn | None:
-    """Put ``new`` in place of the user's fact ``fact_id`` (its session, source session and
-    source turn kept; a new id), the old row deleted with its index entry and vector; None when
-    the user has no such fact. Call inside a write transaction."""
+    """Put ``new`` in place of the user's fact ``fact_id`` (its session, source session, source
+    turn and pin or mute kept; a new row, whose id is the old one's again when that was the
+    newest), the old row deleted with its index entry and vector; None when the user has no such
+    fact. Call inside a write transaction."""
     old = user_turn(conn, user_id, fact_id)
     if old is None or old.role != "fact":
         return None
@@ -140,8 +141,8 @@ def replace_fact(
     conn.execute("DELETE FROM turns WHERE id = ?", (fact_id,))
     new_id = insert_item(conn, old.session_id, user_id, new, vector, None)
     conn.execute(
-        "UPDATE turns SET source_session = ?, source_turn = ? WHERE id = ?",
-        (source_session, source_turn, new_id),
+        "UPDATE turns SET source_session = ?, source_turn = ?, recall = ? WHERE id = ?",
+        (source_session, source_turn, old.recall, new_id),
     )
     return user_turn(conn, user_id, new_id)
 
