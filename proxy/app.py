@@ -35,6 +35,8 @@ from proxy.errors import (
 )
 from proxy.inspector.routes import add_routes as add_inspector_routes
 from proxy.logs import event
+from proxy.mcp import access as mcp_access
+from proxy.mcp.http import add_mcp_routes
 from proxy.relay import read_body, relay
 from proxy.services import SERVICES, open_services
 from proxy.upstream import UpstreamInfo, forward_headers
@@ -73,6 +75,7 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
     app.router.add_get("/engram/metrics", metrics)
     add_admin_routes(app)
     add_inspector_routes(app, settings)
+    add_mcp_routes(app)
     app.router.add_route("*", "/engram/{tail:.*}", engram_not_found)
     for api in apis:
         for path in api.paths:
@@ -176,11 +179,14 @@ def _error_shapes(apis: list[ChatAPI]) -> Callable[[str], ErrorShape | None]:
 
 async def _authenticate(request: web.Request) -> None:
     """The request's :class:`~proxy.auth.Principal`, kept in ``request[PRINCIPAL]``; a 401
-    when it may not use the route. ``/engram/health`` is open (it shows no memory)."""
+    when it may not use the route. ``/engram/health`` is open (it shows no memory); the MCP
+    endpoint takes the chat routes' credentials or the admin token (:mod:`proxy.mcp.access`)."""
     path = request.path
     auth = request.app[SERVICES].auth
     if path.startswith(ADMIN_PATHS):
         request[PRINCIPAL] = await auth.admin(request.headers, request.remote)
+    elif guard.is_mcp_path(path):
+        request[PRINCIPAL] = await mcp_access.principal(auth, request.headers)
     elif not path.startswith("/engram/"):
         request[PRINCIPAL] = await auth.client(request.headers)
 

@@ -27,9 +27,11 @@ passes the Host check. So, before any handler runs (:func:`check`), after the Ho
   refused (403) unless its origin is listed in ``server.cors_origins``, for every method but GET
   and HEAD (and those too when they ask for a WebSocket).
 - **Engram's own routes** (``/engram/...``) answer only their own origin: the admin API
-  (``/engram/api``) to no other origin with any method, configured or not, and the rest (health,
-  metrics, the inspector page) to GET and HEAD only. They never carry CORS headers.
-- **JSON only.** A body sent to a chat route or to the admin API must be ``application/json``
+  (``/engram/api``) and the MCP endpoint (``/engram/mcp``) to no other origin with any method,
+  configured or not, and the rest (health, metrics, the inspector page) to GET and HEAD only. They
+  never carry CORS headers.
+- **JSON only.** A body sent to a chat route, the admin API or the MCP endpoint must be
+  ``application/json``
   (or ``application/*+json``), from anyone, memory on or off: a page cannot send that without a
   CORS preflight. Anything else is a 415. Pass-through routes accept any body (multipart audio
   uploads).
@@ -67,6 +69,7 @@ CHAT_PATHS = frozenset(
     }
 )
 ADMIN_PREFIX = "/engram/api"
+MCP_PATH = "/engram/mcp"  # the MCP endpoint (proxy.mcp): guarded like the admin API
 ENGRAM_PREFIX = "/engram"
 SAFE_METHODS = frozenset({"GET", "HEAD"})
 # Sec-Fetch-Site values that mean "not another web page": the page's own origin, or the user
@@ -97,6 +100,10 @@ class Source(enum.Enum):
 
 def is_admin_path(path: str) -> bool:
     return path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+
+
+def is_mcp_path(path: str) -> bool:
+    return path == MCP_PATH
 
 
 def is_engram_path(path: str) -> bool:
@@ -139,7 +146,7 @@ def json_only(method: str, path: str) -> bool:
     return (
         method not in SAFE_METHODS
         and method != "OPTIONS"
-        and (path in CHAT_PATHS or is_admin_path(path))
+        and (path in CHAT_PATHS or is_admin_path(path) or is_mcp_path(path))
     )
 
 
@@ -158,8 +165,8 @@ def media_type_error(
     else:
         shown = repr(content_type)
     return UnsupportedMediaType(
-        f"Unsupported Content-Type ({shown}) on {method} {path}: Engram's chat and admin routes "
-        "take JSON bodies only. Send 'Content-Type: application/json' "
+        f"Unsupported Content-Type ({shown}) on {method} {path}: Engram's chat, admin and MCP "
+        "routes take JSON bodies only. Send 'Content-Type: application/json' "
         "(with curl: -H 'Content-Type: application/json').",
         param="Content-Type",
     )
@@ -226,7 +233,7 @@ def cross_site_error(
     shown = origin if origin is not None else "another site"
     read = method in SAFE_METHODS and not upgrade
     if is_engram_path(path):
-        if read and not is_admin_path(path):
+        if read and not (is_admin_path(path) or is_mcp_path(path)):
             return None
         return Forbidden(
             f"Cross-site request refused: {method} {path} came from a web page ({shown}) that is "
