@@ -14,7 +14,12 @@ LoCoMo question (numbered, so no two texts repeat and no cache answers them).
     ``off``, alternating which goes first; the added latency is read-only's percentile minus off's.
     Then the same with memory fully ``on`` (recall and archiving) against ``off``.
 (b) Closed-loop throughput: ``c`` clients each sending its next request as soon as the last one
-    is answered, for ``--seconds`` per cell, with memory read-only, on and off.
+    is answered, for ``--seconds`` per cell, with memory read-only, on and off; the server's CPU
+    time per request (its process, every thread, from ``/proc``).
+
+Beside both: the query embedding's own time on this machine (``FastEmbedEmbedder.embed_queries``,
+one ONNX thread, one question at a time, in this process before the server starts), and each
+figure's ratio to it (issue 26: memory should cost about one embedding, whatever the CPU).
 """
 
 from __future__ import annotations
@@ -58,6 +63,37 @@ WARMUP = 20
 
 def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system, every thread) process ``pid`` has used; 0 when unknown."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def query_embedding(texts: list[str], n: int = 200) -> dict[str, float]:
+    """The query embedding alone: ``embed_queries([question])`` with one ONNX thread and no
+    cache, ``n`` LoCoMo questions after 20 of warm-up; wall p50 / p95 and CPU per query (this
+    process, every thread) in ms."""
+    emb = FastEmbedEmbedder(DEFAULT_MODEL, threads=1, lru_size=0)
+    try:
+        await emb.load()
+        wall: list[float] = []
+        cpu = 0.0
+        for i, text in enumerate(texts[: n + 20]):
+            c0, t0 = time.process_time(), time.perf_counter()
+            await emb.embed_queries([f"{text} (e{i})"])
+            if i >= 20:
+                wall.append(time.perf_counter() - t0)
+                cpu += time.process_time() - c0
+    finally:
+        await emb.aclose()
+    return {"p50": pct(wall, 50), "p95": pct(wall, 95), "cpu": cpu * 1000 / max(1, len(wall))}
 
 
 # ---- the database ------------------------------------------------------------------------
@@ -121,18 +157,27 @@ class Questions:
 
 
 async def paired(
-    http: aiohttp.ClientSession, url: str, qs: Questions, mode: str, pairs: int
+    http: aiohttp.ClientSession,
+    url: str,
+    qs: Questions,
+    mode: str,
+    pairs: int,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     """``mode`` against ``off``, one request at a time, alternating which goes first."""
     times: dict[str, list[float]] = {mode: [], "off": []}
     start_load = load()
+    cpu0 = 0.0
     for i in range(pairs + WARMUP):
         q = qs.next()
         order = (mode, "off") if i % 2 == 0 else ("off", mode)
+        if i == WARMUP:
+            cpu0 = cpu_seconds(pid)
         for m in order:
             seconds = await chat(http, url, m, q)
             if i >= WARMUP:
                 times[m].append(seconds)
+    cpu = cpu_seconds(pid) - cpu0
     on, off = times[mode], times["off"]
     return {
         "mode": mode,
@@ -143,12 +188,19 @@ async def paired(
         "off_p95": pct(off, 95),
         "added_p50": pct(on, 50) - pct(off, 50),
         "added_p95": pct(on, 95) - pct(off, 95),
+        "cpu_per_pair": cpu * 1000 / max(1, pairs),  # ms, the mode's request and off's
         "load": f"{start_load} -> {load()}",
     }
 
 
 async def closed_loop(
-    http: aiohttp.ClientSession, url: str, qs: Questions, mode: str, c: int, seconds: float
+    http: aiohttp.ClientSession,
+    url: str,
+    qs: Questions,
+    mode: str,
+    c: int,
+    seconds: float,
+    pid: int | None = None,
 ) -> dict[str, Any]:
     """``c`` clients, each sending its next request when the last is answered."""
     times: list[float] = []
@@ -156,6 +208,7 @@ async def closed_loop(
     warm_until = time.perf_counter() + min(2.0, seconds / 5)
     stop = warm_until + seconds
     start_load = load()
+    cpu_at: list[float] = []
 
     async def client() -> None:
         nonlocal errors
@@ -168,7 +221,13 @@ async def closed_loop(
             if now >= warm_until:
                 times.append(took)
 
-    await asyncio.gather(*(client() for _ in range(c)))
+    async def meter() -> None:  # the server's CPU over the measured seconds
+        await asyncio.sleep(max(0.0, warm_until - time.perf_counter()))
+        cpu_at.append(cpu_seconds(pid))
+        await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+        cpu_at.append(cpu_seconds(pid))
+
+    await asyncio.gather(meter(), *(client() for _ in range(c)))
     return {
         "mode": mode,
         "c": c,
@@ -177,6 +236,7 @@ async def closed_loop(
         "p50": pct(times, 50),
         "p95": pct(times, 95),
         "errors": errors,
+        "cpu_per_request": (cpu_at[1] - cpu_at[0]) * 1000 / max(1, len(times)),  # ms
         "load": f"{start_load} -> {load()}",
     }
 
@@ -188,10 +248,20 @@ def report(out: dict[str, Any]) -> str:
     n = out["turns"]
     t50, t95 = ADDED_TARGETS.get(n, (None, None))
     warm = f" after {out['warmup_seconds']:g} s of warm-up" if out.get("warmup_seconds") else ""
-    lines = [f"(a) c=1, a new chat per question, {n:,} turns stored for the user{warm}", ""]
-    lines.append("| memory | pairs | p50 | p95 | off p50 / p95 | added p50 | added p95 | target | "
-                 "pass/fail | load 1/5/15 (start -> end) |")  # fmt: skip
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    e = out.get("embedding") or {}
+    e50, ecpu = e.get("p50", float("nan")), e.get("cpu", float("nan"))
+    lines = [
+        f"Query embedding alone (embed_queries, 1 ONNX thread, one question): p50 {e50:.1f} ms, "
+        f"p95 {e.get('p95', float('nan')):.1f} ms, CPU {ecpu:.1f} ms a query (load "
+        f"{e.get('load', '-')})",
+        "",
+        f"(a) c=1, a new chat per question, {n:,} turns stored for the user{warm}",
+        "",
+    ]
+    lines.append("| memory | pairs | p50 | p95 | off p50 / p95 | added p50 | added p95 | "
+                 "query embedding p50 | added p50 / embedding | target | pass/fail | "
+                 "load 1/5/15 (start -> end) |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in out["latency"]:
         goal = f"≤ {t50:g} / {t95:g} ms" if t95 else (f"p50 ≤ {t50:g} ms" if t50 else "-")
         ok = None
@@ -200,21 +270,25 @@ def report(out: dict[str, Any]) -> str:
         lines.append(
             f"| {row['mode']} | {row['pairs']} | {row['p50']:.1f} ms | {row['p95']:.1f} ms | "
             f"{row['off_p50']:.1f} / {row['off_p95']:.1f} ms | {row['added_p50']:+.1f} ms | "
-            f"{row['added_p95']:+.1f} ms | {goal if row['mode'] == 'read-only' else '-'} | "
+            f"{row['added_p95']:+.1f} ms | {e50:.1f} ms | {row['added_p50'] / e50:.2f}x | "
+            f"{goal if row['mode'] == 'read-only' else '-'} | "
             f"{ {True: 'PASS', False: 'FAIL', None: '-'}[ok] } | {row['load']} |"
         )
     if out["throughput"]:
         lines += ["", f"(b) closed loop, {out['seconds']:g} s per cell", ""]
-        lines.append("| memory | clients | req/s | p50 | p95 | errors | target | pass/fail | "
+        lines.append("| memory | clients | req/s | p50 | p95 | errors | CPU / request | "
+                     "CPU / embedding CPU | target | pass/fail | "
                      "load 1/5/15 (start -> end) |")  # fmt: skip
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for row in out["throughput"]:
             judged = row["c"] == 16 and row["mode"] != "off"
             goal = f"≥ {THROUGHPUT_TARGET:g} req/s" if judged else "-"
             verdict = ("PASS" if row["req_s"] >= THROUGHPUT_TARGET else "FAIL") if judged else "-"
+            cpu = row.get("cpu_per_request", float("nan"))
             lines.append(
                 f"| {row['mode']} | {row['c']} | {row['req_s']:.0f} | {row['p50']:.1f} ms | "
-                f"{row['p95']:.1f} ms | {row['errors']} | {goal} | {verdict} | {row['load']} |"
+                f"{row['p95']:.1f} ms | {row['errors']} | {cpu:.1f} ms | {cpu / ecpu:.2f}x | "
+                f"{goal} | {verdict} | {row['load']} |"
             )
     return "\n".join(lines)
 
@@ -236,13 +310,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "latency": [],
         "throughput": [],
     }
+    if args.embedding:
+        start = load()
+        out["embedding"] = await query_embedding(texts)
+        out["embedding"]["load"] = f"{start} -> {load()}"
+        print(f"query embedding alone: {out['embedding']['p50']:.1f} ms p50", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="engram-load-") as tmp:
         db = Path(tmp) / "load.db"
         shutil.copyfile(source, db)
         log_path = Path(tmp) / "serve.log"
+        pids: list[int] = []
         try:
             async with (
-                serving(db, log_path) as url,
+                serving(db, log_path, pids=pids) as url,
                 aiohttp.ClientSession(
                     timeout=aiohttp.ClientTimeout(total=120),
                     connector=aiohttp.TCPConnector(limit=0),
@@ -252,12 +332,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 while time.perf_counter() < warm_until:  # the server's caches load meanwhile
                     await chat(http, url, "read-only", qs.next())
                 for mode in args.latency_modes:
-                    row = await paired(http, url, qs, mode, args.pairs)
+                    row = await paired(http, url, qs, mode, args.pairs, pids[0])
                     out["latency"].append(row)
                     print(f"c=1 {mode}: {row['added_p50']:+.1f} ms p50", file=sys.stderr)
                 for c in args.concurrency:
                     for mode in args.throughput_modes:
-                        row = await closed_loop(http, url, qs, mode, c, args.seconds)
+                        row = await closed_loop(http, url, qs, mode, c, args.seconds, pids[0])
                         out["throughput"].append(row)
                         print(f"c={c} {mode}: {row['req_s']:.0f} req/s", file=sys.stderr)
         except Exception:
@@ -280,6 +360,12 @@ def main() -> int:
         type=float,
         default=0.0,
         help="read-only requests for this long before measuring (a large user's caches load)",
+    )
+    parser.add_argument(
+        "--no-embedding",
+        dest="embedding",
+        action="store_false",
+        help="skip timing the query embedding alone",
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="vectors and DBs")
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -260,10 +260,14 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
 
 @contextlib.asynccontextmanager
 async def serving(
-    db: Path, log_path: Path, extra_env: dict[str, str] | None = None
+    db: Path,
+    log_path: Path,
+    extra_env: dict[str, str] | None = None,
+    pids: list[int] | None = None,
 ) -> AsyncIterator[str]:
     """``python -m proxy serve`` on ``db`` in front of ``python -m testing.fake_upstream``, both
-    subprocesses; yields Engram's URL once it answers its health check."""
+    subprocesses; yields Engram's URL once it answers its health check. ``pids``: Engram's
+    process id is appended there (to read its CPU time)."""
     procs: list[asyncio.subprocess.Process] = []
     env = {**os.environ, "ENGRAM_SERVER_LOG_LEVEL": "warning", **(extra_env or {})}
     with log_path.open("wb") as log:
@@ -285,6 +289,8 @@ async def serving(
                 cwd=ROOT, stdout=log, stderr=log, env=env,
             )  # fmt: skip
             procs.append(engram)
+            if pids is not None:
+                pids.append(engram.pid)
             url = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
                 deadline = time.monotonic() + 120

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,10 @@ from proxy.config import RetrievalSettings
 from proxy.search.embedder import Embedder
 from proxy.search.fts_query import STOP_WORDS, match_of, query_words
 from proxy.search.fusion import Fused, mmr, rrf
-from proxy.search.scoring import Candidate, scored_fusion
+from proxy.search.scoring import Candidate, Columns, scored_order
 from proxy.store.models import Turn
+from proxy.store.rows import turn_of
+from proxy.store.scope import turn_rows
 from proxy.store.store import Store
 from proxy.vectors import Vector, as_vector
 
@@ -154,12 +156,24 @@ class Retriever:
         ids = list(dict.fromkeys(i for ranked in rankings.values() for i in ranked))
         if not ids:
             return []
-        turns = {t.id: t for t in await self.store.get_turns(ids, user_id=user_id)}
+        # Raw rows, no Turn each: the fusion reads five fields of every candidate, and only
+        # the few results kept (and those ``keep`` is asked about) become Turns.
+        rows = await self.store.read(lambda c: turn_rows(c, ids, user_id))
+        made: dict[int, Turn] = {}
+
+        def turn(turn_id: int) -> Turn:
+            t = made.get(turn_id)
+            if t is None:
+                t = made[turn_id] = turn_of(rows[turn_id])
+            return t
+
+        fused: Iterable[Fused[int]]
         if mode == "hybrid" and s.fusion == "scored":
-            candidates = await self._candidates(user_id, turns, fts_rows, vec_rows, qvec)
+            found = [i for i in ids if i in rows]  # in the order of the paths, as get_turns
+            columns = await self._candidates(user_id, found, rows, fts_rows, vec_rows, qvec)
             if scoring is not None:
-                scoring.append(Scoring(candidates, rankings))
-            fused = scored_fusion(candidates, query, rankings, s.score_weights(), time.time())
+                scoring.append(Scoring(columns.candidates(), rankings))
+            fused = scored_order(columns, query, rankings, s.score_weights(), time.time())
         else:
             fused = rrf(rankings, k=s.rrf_k, weights={"fts": s.fts_weight, "vec": s.vec_weight})
         use = (s.mmr if use_mmr is None else use_mmr) and qvec is not None
@@ -167,45 +181,46 @@ class Retriever:
         # (``k``, or MMR's pool)
         want, kept = (max(k * 4, 20) if use else k), []
         for f in fused:
-            if f.id in turns and (keep is None or keep(turns[f.id])):
+            if f.id in rows and (keep is None or keep(turn(f.id))):
                 kept.append(f)
                 if len(kept) >= want:
                     break
         if use and qvec is not None and len(kept) > 1:
             kept = await self._mmr(user_id, kept, qvec, k)
-        return [Hit(turns[f.id], f.score, f.ranks) for f in kept[:k]]
+        return [Hit(turn(f.id), f.score, f.ranks) for f in kept[:k]]
 
     async def _candidates(
         self,
         user_id: str,
-        turns: dict[int, Turn],
+        ids: list[int],
+        rows: dict[int, tuple[Any, ...]],
         fts_rows: list[tuple[int, float]],
         vec_rows: list[tuple[int, float]],
         qvec: Vector | None,
-    ) -> list[Candidate]:
-        """Both paths' candidates for :func:`~proxy.search.scoring.scored_fusion`; the cosines
-        of FTS5-only candidates are computed from their stored vectors."""
+    ) -> Columns:
+        """Both paths' candidates (``ids``, their ``rows`` of ``TURN_COLS``) for
+        :func:`~proxy.search.scoring.scored_fusion`; the cosines of FTS5-only candidates are
+        computed from their stored vectors."""
         cosine = {turn_id: 1.0 - distance for turn_id, distance in vec_rows}
-        missing = [i for i in turns if i not in cosine]
+        missing = [i for i in ids if i not in cosine]
         if qvec is not None and missing:
             q = as_vector(qvec)
             for turn_id, v in (await self.store.turn_vectors(user_id, missing)).items():
                 cosine[turn_id] = float(np.dot(v, q))  # both L2-normalised
         bm25 = dict(fts_rows)
-        return [
-            Candidate(
-                t.id,
-                t.session_id,
-                t.position,
-                t.speaker,
-                len(t.content),
-                bm25.get(t.id),
-                cosine.get(t.id),
-                t.content,
-                t.timestamp,
-            )
-            for t in turns.values()
-        ]
+        picked = [rows[i] for i in ids]
+        texts = [r[6] for r in picked]
+        return Columns(
+            ids,
+            [r[1] for r in picked],
+            [r[3] for r in picked],
+            [r[5] for r in picked],
+            [len(t) for t in texts],
+            [bm25.get(i) for i in ids],
+            [cosine.get(i) for i in ids],
+            texts,
+            [r[9] for r in picked],
+        )
 
     def embed_query(self, query: str) -> asyncio.Task[Vector] | None:
         """Start embedding ``query`` now (the embedder works on its own thread while the

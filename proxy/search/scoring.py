@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,8 +103,55 @@ def _names(key: str, folded: str) -> bool:
     return re.search(r"(?<!\w)" + re.escape(key) + r"(?!\w)", folded) is not None
 
 
+@dataclass(slots=True)
+class Columns:
+    """Candidates as columns, one list per field of :class:`Candidate` (same order): what the
+    search builds, one list per field instead of one object per candidate."""
+
+    ids: list[int]
+    session_id: list[str]
+    position: list[int]
+    speaker: list[str | None]
+    chars: list[int]
+    bm25: list[float | None]
+    cosine: list[float | None]
+    text: list[str]
+    at: list[float | None]
+
+    @classmethod
+    def of(cls, candidates: Sequence[Candidate]) -> Columns:
+        c = candidates
+        return cls(
+            [x.id for x in c],
+            [x.session_id for x in c],
+            [x.position for x in c],
+            [x.speaker for x in c],
+            [x.chars for x in c],
+            [x.bm25 for x in c],
+            [x.cosine for x in c],
+            [x.text for x in c],
+            [x.at for x in c],
+        )
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def candidates(self) -> list[Candidate]:
+        return [
+            Candidate(*row)
+            for row in zip(
+                self.ids, self.session_id, self.position, self.speaker, self.chars, self.bm25,
+                self.cosine, self.text, self.at, strict=True,
+            )
+        ]  # fmt: skip
+
+
+def _columns(candidates: Sequence[Candidate] | Columns) -> Columns:
+    return candidates if isinstance(candidates, Columns) else Columns.of(candidates)
+
+
 def features(
-    candidates: Sequence[Candidate],
+    candidates: Sequence[Candidate] | Columns,
     query: str,
     vec_ids: Sequence[int],
     now: float | None = None,
@@ -116,27 +163,28 @@ def features(
 
 
 def feature_matrix(
-    candidates: Sequence[Candidate],
+    candidates: Sequence[Candidate] | Columns,
     query: str,
     vec_ids: Sequence[int],
     now: float | None = None,
 ) -> npt.NDArray[np.float64]:
     """:func:`features` as a (candidates, features) array: the columns computed a whole list at
     a time, since this runs on every search."""
-    n = len(candidates)
+    c = _columns(candidates)
+    n = len(c)
     out = np.zeros((n, len(FEATURES)), dtype=np.float64)
     if not n:
         return out
     # fts: BM25 over the query's best (both negative), 0 where FTS5 did not find the turn
-    bm25 = np.array([np.nan if c.bm25 is None else c.bm25 for c in candidates])
+    bm25 = np.array([np.nan if b is None else b for b in c.bm25])
     found = ~np.isnan(bm25)
     best = float(bm25[found].min()) if found.any() else 0.0
     if best < 0:
         out[found, 0] = bm25[found] / best
     # vec: the cosine stretched over the vector path's list
     in_vec = set(vec_ids)
-    listed = np.array([c.id in in_vec for c in candidates])
-    cosine = np.array([np.nan if c.cosine is None else c.cosine for c in candidates])
+    listed = np.array([i in in_vec for i in c.ids])
+    cosine = np.array([np.nan if x is None else x for x in c.cosine])
     known = ~np.isnan(cosine)
     scale = listed & known
     if scale.any():
@@ -144,36 +192,35 @@ def feature_matrix(
         span = (float(cosine[scale].max()) - floor) or 1.0
         out[known, 1] = np.maximum(0.0, (cosine[known] - floor) / span)
     # speaker, session, neighbour: per candidate, from its session's other candidates
-    names = named_speakers(query, [c.speaker for c in candidates])
+    names = named_speakers(query, c.speaker)
     vec_at = {
-        (c.session_id, c.position): v
-        for c, v, on in zip(candidates, out[:, 1].tolist(), listed.tolist(), strict=True)
+        (session, position): v
+        for session, position, v, on in zip(
+            c.session_id, c.position, out[:, 1].tolist(), listed.tolist(), strict=True
+        )
         if on
     }
     session_best: dict[str, float] = {}
-    for c, f in zip(candidates, out[:, 0].tolist(), strict=True):
-        session_best[c.session_id] = max(session_best.get(c.session_id, 0.0), f)
+    for session, f in zip(c.session_id, out[:, 0].tolist(), strict=True):
+        session_best[session] = max(session_best.get(session, 0.0), f)
     timely = asks_about_time(query)
     times = query_times(query, now)
-    out[:, 2] = [1.0 if c.speaker in names else 0.0 for c in candidates]
-    out[:, 3] = [session_best[c.session_id] for c in candidates]
+    out[:, 2] = [1.0 if speaker in names else 0.0 for speaker in c.speaker]
+    out[:, 3] = [session_best[session] for session in c.session_id]
     out[:, 4] = [
-        max(
-            vec_at.get((c.session_id, c.position - 1), 0.0),
-            vec_at.get((c.session_id, c.position + 1), 0.0),
-        )
-        for c in candidates
+        max(vec_at.get((session, position - 1), 0.0), vec_at.get((session, position + 1), 0.0))
+        for session, position in zip(c.session_id, c.position, strict=True)
     ]
-    out[:, 5] = [_LENGTH[min(max(c.chars, 0), LENGTH_CAP)] for c in candidates]
+    out[:, 5] = [_LENGTH[min(max(chars, 0), LENGTH_CAP)] for chars in c.chars]
     if timely:
-        out[:, 6] = [1.0 if says_when(c.text) else 0.0 for c in candidates]
+        out[:, 6] = [1.0 if says_when(text) else 0.0 for text in c.text]
     if times:
-        out[:, 7] = [1.0 if said_in(c.at, times) else 0.0 for c in candidates]
+        out[:, 7] = [1.0 if said_in(at, times) else 0.0 for at in c.at]
     return out
 
 
 def scored_fusion(
-    candidates: Sequence[Candidate],
+    candidates: Sequence[Candidate] | Columns,
     query: str,
     ranks: Mapping[str, Sequence[int]],
     weights: Mapping[str, float],
@@ -183,16 +230,36 @@ def scored_fusion(
     candidate ids, best first (``"vec"``'s feed the ``neighbour`` feature; both give each
     result its 1-based rank per path); ``now``: the request's time. Ties go to the better best
     rank in any path, then to the id."""
-    if not candidates:
-        return []
-    matrix = feature_matrix(candidates, query, ranks.get("vec", ()), now)
-    score = np.zeros(len(candidates), dtype=np.float64)
+    return list(scored_order(candidates, query, ranks, weights, now))
+
+
+def scored_order(
+    candidates: Sequence[Candidate] | Columns,
+    query: str,
+    ranks: Mapping[str, Sequence[int]],
+    weights: Mapping[str, float],
+    now: float | None = None,
+) -> Iterator[Fused[int]]:
+    """:func:`scored_fusion`, each result made only when asked for: a search reads the best
+    few of about a hundred candidates."""
+    c = _columns(candidates)
+    if not len(c):
+        return iter(())
+    matrix = feature_matrix(c, query, ranks.get("vec", ()), now)
+    score = np.zeros(len(c), dtype=np.float64)
     for j, name in enumerate(FEATURES):  # summed in this order, as a plain sum would
         score += float(weights.get(name, 0.0)) * matrix[:, j]
     position = {path: {i: r for r, i in enumerate(ids, 1)} for path, ids in ranks.items()}
-    at = [{p: position[p].get(c.id) for p in ranks} for c in candidates]
-    best = [min((r for r in a.values() if r is not None), default=1 << 30) for a in at]
-    ids = [c.id for c in candidates]
+    paths = list(position.values())
+    far = 1 << 30
+    best = [min((r for p in paths if (r := p.get(i)) is not None), default=far) for i in c.ids]
+    ids = c.ids
     order = np.lexsort((np.array(ids), np.array(best), -score))
     scores = score.tolist()
-    return [Fused(ids[i], scores[i], at[i]) for i in order.tolist()]
+
+    def results() -> Iterator[Fused[int]]:
+        for i in order.tolist():
+            turn_id = ids[i]
+            yield Fused(turn_id, scores[i], {p: position[p].get(turn_id) for p in ranks})
+
+    return results()

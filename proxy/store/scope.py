@@ -1,16 +1,20 @@
 """What a search may return: the scope filters both in-memory searches share (the vectors of
 :mod:`proxy.store.vec_cache`, the terms of :mod:`proxy.store.term_cache`), over rows that carry
 each turn's id, session, ``indexed`` flag and role as small integer codes; and the one rule
-both caches follow before loading a user (:func:`claim_load`)."""
+both caches follow before loading a user (:func:`claim_load`); and the rows of a search's
+candidates (:func:`turn_rows`)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Container, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+from proxy.store.db import Connection
+from proxy.store.rows import TURN_COLS, json_list
 
 
 class Codes:
@@ -81,3 +85,17 @@ def claim_load(
             return False
         scheduled.add(user_id)
         return True
+
+
+def turn_rows(conn: Connection, ids: Sequence[int], user_id: str) -> dict[int, tuple[Any, ...]]:
+    """The user's turns of ``ids`` as raw rows of :data:`~proxy.store.rows.TURN_COLS`, by id
+    (no :class:`~proxy.store.models.Turn` made: a search builds those of the few results it
+    keeps, :func:`~proxy.store.rows.turn_of`, and scores the rest from the rows)."""
+    if not ids:
+        return {}
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+        " AND user_id = ?",
+        (json_list(ids), user_id),
+    )
+    return {int(row[0]): tuple(row) for row in rows}
