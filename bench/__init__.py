@@ -11,7 +11,13 @@
 - ``bench.locomo``: retrieval quality on LoCoMo through Engram's import, store and Retriever.
 - ``bench.retrieval``: retrieval latency, ingest speed and memory's cost on a chat request.
 - ``bench.store``: the store's search paths at scale (vec0 KNN, FTS5, hybrid).
-- ``bench.embedder``: the embedder's load, query and batch times.
+- ``bench.embedder``: the embedder's load, query and batch times (and, given a
+  ``bench.memory_load`` result, the added latency over the query embedding's time).
+- ``bench.memory_load``: memory's cost on chat requests at scale, beside the query embedding's.
+- ``bench.memory_profile``: a memory-on request's time and CPU per stage.
+- ``bench.embed_variants``: the embedding model's builds (float, QUInt8, QInt8) on this CPU.
+- ``bench.inspector``: every inspector page's server time at 100,000 turns, and what the
+  inspector costs a chat request when nobody looks.
 - ``bench.common``: what they share (machine figures, an embedding cache, LoCoMo loading).
 
 They drive Engram with the top-level ``testing`` package (fake upstream, in-process harness).

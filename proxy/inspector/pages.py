@@ -104,7 +104,7 @@ async def overview(request: web.Request, v: Visit) -> web.StreamResponse:
         reachable = False
     stats = await store.stats()
     counts = await store.read(lambda c: memory_counts(c, v.user))
-    mine = await store.session_turn_counts(v.user)
+    user_turns, user_sessions = await store.read(lambda c: browse.user_totals(c, v.user))
     tokens = token_figures(parts.counters.current(), services.settings)
     pipeline_counts: Counter[str] = Counter()
     for each in services.pipelines.values():
@@ -127,8 +127,8 @@ async def overview(request: web.Request, v: Visit) -> web.StreamResponse:
             "reachable": reachable,
         },
         stats=stats,
-        user_turns=sum(mine.values()),
-        user_sessions=len(mine),
+        user_turns=user_turns,
+        user_sessions=user_sessions,
         counts=counts,
         tokens=tokens,
         sent=sum(s for _, s, _ in saved),

@@ -319,6 +319,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (11, later.m011_embed_models),
     (12, later.m012_scaffolds),
     (13, later.m013_corrections),
+    (14, later.m014_browse_indexes),
 )
 """(version, function), ascending. Append only."""
 

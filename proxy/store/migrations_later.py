@@ -188,3 +188,16 @@ def m013_corrections(conn: Connection) -> None:
         CREATE INDEX turns_source_turn ON turns(source_turn) WHERE source_turn IS NOT NULL;
         """,
     )
+
+
+def m014_browse_indexes(conn: Connection) -> None:
+    """Indexes the inspector's pages walk at 100,000 turns (``bench.inspector``): the user's
+    pinned and muted turns (65 ms to 0.05 ms), and which chat APIs a session's turns came
+    through (the sessions page's API filter: 36 ms to 3.5 ms)."""
+    execute_script(
+        conn,
+        """
+        CREATE INDEX turns_marked ON turns(user_id, id) WHERE recall != 0;
+        CREATE INDEX turns_session_api ON turns(session_id, api) WHERE api IS NOT NULL;
+        """,
+    )
