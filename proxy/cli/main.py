@@ -292,6 +292,12 @@ def _serve(settings: Settings) -> int:
             server.host,
             server.port,
         )
+        if settings.inspector.enabled and settings.memory.enabled:
+            log.info(
+                "the inspector: http://%s:%d/engram/ (sign in with `engram keys admin-token`)",
+                server.host,
+                server.port,
+            )
 
     from proxy.services import StartupRefused
 
