@@ -415,3 +415,54 @@ async def test_a_page_on_another_origin_makes_the_inspector_do_nothing(
     finally:
         await runner.cleanup()
         await engram.close()
+
+
+async def test_a_tool_result_slot_shows_on_every_page_that_names_it(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """An old bulky tool output becomes a slot: the Slots page lists it, the request that
+    referenced it shows it, and the overview counts the put."""
+    engram = await seeded(fake, http)
+    listing = "\n".join(
+        f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(400)
+    )
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "read_file", "arguments": '{"path": "notes.txt"}'},
+    }
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "Read notes.txt please."},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": listing},
+            {"role": "assistant", "content": "I read the file."},
+            {"role": "user", "content": "Thanks. What does its last line say?"},
+        ],
+    }
+    try:
+        async with http.post(engram.base_url + "/chat/completions", json=body) as r:
+            assert r.status == 200
+            request_id = r.headers["X-Engram-Request-Id"]
+        await settle(engram)
+        jar = aiohttp.CookieJar(unsafe=True)
+        async with aiohttp.ClientSession(cookie_jar=jar) as signed:
+            async with signed.post(engram.url + "/engram/signin", data={"token": ADMIN}) as r:
+                assert r.status == 200
+            async with signed.get(engram.url + "/engram/slots") as r:
+                slots = await r.text()
+            async with signed.get(engram.url + f"/engram/requests/{request_id}") as r:
+                request = await r.text()
+            async with signed.get(engram.url + "/engram/") as r:
+                overview = await r.text()
+        # the reference in the forwarded prompt (the expansion tool's description names it too)
+        slot_id = re.findall(r"\[TOOL_RESULT:([A-Za-z0-9][A-Za-z0-9_.-]*)\]", forwarded_text(fake))[
+            -1
+        ]
+        assert slot_id in slots and "read_file" in slots
+        assert f"[TOOL_RESULT:{slot_id}]" in request and "expired or forgotten" not in request
+        puts = re.findall(r'class="slot-puts">(\d+)<', overview)
+        assert puts and sum(map(int, puts)) >= 1, overview
+    finally:
+        await engram.close()
