@@ -309,10 +309,20 @@ async def test_another_users_key_sees_and_changes_nothing(
 
 
 async def test_nothing_works_without_signing_in(
-    fake: FakeUpstream, http: aiohttp.ClientSession
+    browser: Chromium, fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     engram = await seeded(fake, http)
     try:
+        # In the browser: every page leads to the sign-in page; a wrong token is refused.
+        page = await browser.open("about:blank")
+        for path in PAGES:
+            await page.goto(engram.url + "/engram" + path)
+            assert (await page.url()).endswith("/engram/signin"), path
+        await page.evaluate("document.getElementById('token').value = 'not-the-token'")
+        await page.act("document.getElementById('signin').submit()")
+        assert "That is not the admin token" in await page.text()
+        assert await page.evaluate("document.cookie") == ""
+        await page.screenshot(SHOTS / "inspector-signin-refused.png")
         for path in (*PAGES, "/sessions/x", "/requests/x", "/sessions/x/export"):
             async with http.get(engram.url + "/engram" + path, allow_redirects=False) as r:
                 assert r.status == 303 and r.headers["Location"] == "/engram/signin", path
@@ -418,7 +428,7 @@ async def test_a_page_on_another_origin_makes_the_inspector_do_nothing(
 
 
 async def test_a_tool_result_slot_shows_on_every_page_that_names_it(
-    fake: FakeUpstream, http: aiohttp.ClientSession
+    browser: Chromium, fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     """An old bulky tool output becomes a slot: the Slots page lists it, the request that
     referenced it shows it, and the overview counts the put."""
@@ -464,5 +474,9 @@ async def test_a_tool_result_slot_shows_on_every_page_that_names_it(
         assert f"[TOOL_RESULT:{slot_id}]" in request and "expired or forgotten" not in request
         puts = re.findall(r'class="slot-puts">(\d+)<', overview)
         assert puts and sum(map(int, puts)) >= 1, overview
+        page = await browser.open("about:blank")
+        await sign_in(page, engram, ADMIN)
+        assert slot_id in await open_page(page, engram, "/slots")
+        await page.screenshot(SHOTS / "inspector-slots-listed.png")
     finally:
         await engram.close()
