@@ -28,8 +28,9 @@ from pathlib import Path
 from aiohttp import web
 
 from proxy.cache import LRU
+from proxy.chat.identity import identify
 from proxy.config import AuthSettings
-from proxy.errors import Unauthorized
+from proxy.errors import Forbidden, Unauthorized
 from proxy.keys import credential, new_admin_token, parse_key, same_secret, secret_matches
 from proxy.store.keys import KeyRow, find_key
 from proxy.store.store import Store
@@ -54,6 +55,27 @@ class Principal:
 
 ANONYMOUS = Principal(None, False, "none")
 PRINCIPAL = web.RequestKey("principal", Principal)  # set on each request by the middleware
+
+
+def acting_user(principal: Principal, named: str | None) -> str:
+    """The user namespace ``principal`` acts on when a request names ``named`` (the admin API,
+    the inspector): the admin token and admin keys choose it (else the key's own user, else
+    ``default``); a user's key acts on its own user only, and naming another is a 403."""
+    if principal.admin:
+        return clean_user(named) if named else (principal.user or clean_user(None))
+    assert principal.user is not None
+    if named and clean_user(named) != principal.user:
+        raise Forbidden(
+            f"This key belongs to user {principal.user!r}: it cannot act on another user's "
+            "memory (only admin keys and the admin token choose the user).",
+            code="not_your_user",
+        )
+    return principal.user
+
+
+def clean_user(raw: str | None) -> str:
+    """A user namespace as the chat pipeline names it (``default`` when absent)."""
+    return identify({"X-Engram-User": raw} if raw else {}, {}).user
 
 
 def is_loopback_peer(remote: str | None) -> bool:
@@ -130,30 +152,28 @@ class Authenticator:
     async def key_active(self, key_id: str) -> bool:
         """Whether the key of this id still works (not revoked, not deleted): a sign-in made
         with a key ends when the key does (within :data:`KEY_CACHE_SECONDS`)."""
+        row = await self._row(key_id)
+        return row is not None and row.revoked_at is None
+
+    async def _row(self, key_id: str) -> KeyRow | None:
+        """The stored row of a key id, kept :data:`KEY_CACHE_SECONDS`."""
         if self.store is None:
-            return False
+            return None
         now = self._clock()
         cached = self._cache.get(key_id)
         if cached is not None and now - cached[0] < KEY_CACHE_SECONDS:
-            row = cached[1]
-        else:
-            row = await self.store.read(lambda c: find_key(c, key_id))
-            self._cache[key_id] = (now, row)
-        return row is not None and row.revoked_at is None
+            return cached[1]
+        row = await self.store.read(lambda c: find_key(c, key_id))
+        self._cache[key_id] = (now, row)
+        return row
 
     async def _key(self, given: str) -> KeyRow | None:
         """The working key ``given`` is, or None (unknown, revoked, wrong secret)."""
         parsed = parse_key(given)
-        if parsed is None or self.store is None:
+        if parsed is None:
             return None
         key_id, secret = parsed
-        now = self._clock()
-        cached = self._cache.get(key_id)
-        if cached is not None and now - cached[0] < KEY_CACHE_SECONDS:
-            row = cached[1]
-        else:
-            row = await self.store.read(lambda c: find_key(c, key_id))
-            self._cache[key_id] = (now, row)
+        row = await self._row(key_id)
         if row is None or row.revoked_at is not None or not secret_matches(secret, row.secret_hash):
             return None
         return row

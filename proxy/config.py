@@ -593,9 +593,11 @@ class LimitsSettings:
     )
     last_prompts_bytes: int = opt(
         33_554_432,
-        "Bytes of recently forwarded prompts kept in memory for the inspector's last-request "
-        "view (/engram/api/sessions/{id}/requests/last); the oldest are dropped first. "
-        "0 keeps none. (Shared server: 67108864.)",
+        "Bytes of recently forwarded prompts kept in memory, for the inspector's Requests "
+        "pages (/engram/requests) and, apart, for each session's last request "
+        "(/engram/api/sessions/{id}/requests/last): each keeps at most this, the oldest "
+        "dropped first; nothing of it is written to disk. 0 keeps none. "
+        "(Shared server: 67108864.)",
         min=0,
     )
 

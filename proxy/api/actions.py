@@ -12,7 +12,7 @@ Redis copies of slots, the scrub that makes the bytes leave the file, in-memory 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import BadRequest, NotFound
@@ -43,7 +43,6 @@ class Done:
     everything: bool = False
     scrub: bool = False
     pins_changed: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # --- parameters ---------------------------------------------------------------------------------

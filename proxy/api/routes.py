@@ -44,7 +44,6 @@ from proxy.api import actions
 from proxy.api.effects import after
 from proxy.api.views import (
     clean_query,
-    clean_user,
     hit_json,
     iso,
     owned_session,
@@ -57,7 +56,7 @@ from proxy.api.views import (
     slot_json,
     turn_json,
 )
-from proxy.auth import PRINCIPAL, Principal
+from proxy.auth import PRINCIPAL, Principal, acting_user
 from proxy.background.stats import token_figures
 from proxy.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
 from proxy.jsonl import export_line
@@ -87,17 +86,7 @@ def request_user(request: web.Request) -> str:
     principal: Principal | None = request.get(PRINCIPAL)
     if principal is None:  # the middleware authenticates every admin route
         raise Forbidden("The admin API needs a credential.", code="admin_forbidden")
-    named = request.headers.get("X-Engram-User") or request.query.get("user")
-    if principal.admin:
-        return clean_user(named) if named else (principal.user or clean_user(None))
-    assert principal.user is not None
-    if named and clean_user(named) != principal.user:
-        raise Forbidden(
-            f"This key belongs to user {principal.user!r}: it cannot act on another user's "
-            "memory (only admin keys and the admin token choose the user).",
-            code="not_your_user",
-        )
-    return principal.user
+    return acting_user(principal, request.headers.get("X-Engram-User") or request.query.get("user"))
 
 
 # --- handlers -----------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from proxy.auth import clean_user as clean_user  # the CLI and MCP take it from here
 from proxy.background.feedback import MAX_NOTE_CHARS
-from proxy.chat.identity import identify
 from proxy.errors import BadRequest, NotFound, ServiceUnavailable
 from proxy.search.retrieval import MODES, Hit, Retriever
 from proxy.slots.model import Slot
@@ -25,11 +25,6 @@ _INT = re.compile(r"[+-]?\d{1,9}")
 
 
 # --- parameters ---------------------------------------------------------------------------------
-
-
-def clean_user(raw: str | None) -> str:
-    """A user namespace as the chat pipeline names it (``default`` when absent)."""
-    return identify({"X-Engram-User": raw} if raw else {}, {}).user
 
 
 def parse_k(raw: str | None) -> int:

@@ -70,6 +70,20 @@ def words_recalled(role: str, content: str, repeated: frozenset[str]) -> str:
     return words
 
 
+def places_near(turns: Sequence[Turn], offsets: Sequence[int]) -> list[tuple[str, int]]:
+    """(session, position) of each turn's neighbours ``offsets`` away in its session, sorted;
+    memory items (negative positions) have none."""
+    return sorted(
+        {
+            (t.session_id, t.position + d)
+            for t in turns
+            if t.position >= 0
+            for d in offsets
+            if t.position + d >= 0
+        }
+    )
+
+
 def recalled(turn: Turn, score: float) -> Recalled:
     """A stored turn as a memory to show the model."""
     return Recalled(
@@ -266,15 +280,7 @@ class Recall:
         nearest first, the next turn before the previous one; each scores slightly below its hit.
         One store read for all hits. Memory items (negative positions) have no neighbours."""
         offsets = [d for i in range(1, n + 1) for d in (i, -i)]
-        places = sorted(
-            {
-                (h.turn.session_id, h.turn.position + d)
-                for h in hits
-                if h.turn.position >= 0
-                for d in offsets
-                if h.turn.position + d >= 0
-            }
-        )
+        places = places_near([h.turn for h in hits], offsets)
         found = await self.store.read(lambda c: queries.turns_at(c, user, places))
         out: dict[int, list[Recalled]] = {}
         for h in hits:

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from proxy.api.views import clean_query, parse_k, parse_mode
 from proxy.chat.prompt import summary_text
+from proxy.chat.recall import places_near
 from proxy.chat.recent import ZONES, RequestView, zones
 from proxy.errors import NotFound, ServiceUnavailable
 from proxy.inspector import charts
@@ -50,15 +51,7 @@ async def search(request: web.Request, v: Visit) -> web.StreamResponse:
         feats = {
             c.id: dict(zip(FEATURES, row, strict=True)) for c, row in zip(cands, rows, strict=True)
         }
-    places = sorted(
-        {
-            (h.turn.session_id, h.turn.position + d)
-            for h in hits
-            if h.turn.position >= 0
-            for d in (-1, 1)
-            if h.turn.position + d >= 0
-        }
-    )
+    places = places_near([h.turn for h in hits], (-1, 1))
     near = await parts.store.read(lambda c: queries.turns_at(c, v.user, places))
     names = await parts.store.read(lambda c: session_names(c, {h.turn.session_id for h in hits}))
     shown = [

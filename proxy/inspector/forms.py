@@ -15,8 +15,17 @@ from proxy.api import actions
 from proxy.api.effects import after
 from proxy.errors import BadRequest
 from proxy.inspector.signin import clear_cookie_header
-from proxy.inspector.web import HEADERS, INSPECTOR, PREFIX, Visit, current, done, field, form
-from proxy.inspector.web import parts_of as _parts
+from proxy.inspector.web import (
+    HEADERS,
+    INSPECTOR,
+    PREFIX,
+    Visit,
+    current,
+    done,
+    field,
+    form,
+    parts_of,
+)
 from proxy.services import SERVICES
 
 _BACK = re.compile(r"/engram/[A-Za-z0-9_./~%-]*")
@@ -53,7 +62,7 @@ async def signout(request: web.Request) -> web.StreamResponse:
 async def forget_turn(request: web.Request, v: Visit, data: Any) -> web.StreamResponse:
     _confirmed(data)
     turn_id = actions.parse_turn_id(field(data, "id"))
-    result = await actions.forget_turn(_parts(request).store, v.user, turn_id)
+    result = await actions.forget_turn(parts_of(request).store, v.user, turn_id)
     after(request.app[SERVICES], result)
     derived = result.detail["derived"]
     extra = ", ".join(f"{n} {k}" for k, n in derived.items() if n)
@@ -68,7 +77,7 @@ async def forget_turn(request: web.Request, v: Visit, data: Any) -> web.StreamRe
 async def forget_session(request: web.Request, v: Visit, data: Any) -> web.StreamResponse:
     _confirmed(data)
     name = field(data, "name") or ""
-    result = await actions.forget_session(_parts(request).store, v.user, name)
+    result = await actions.forget_session(parts_of(request).store, v.user, name)
     after(request.app[SERVICES], result)
     turns = result.detail["turns"]
     return done(v, "/sessions", f"Forgot session {name} and its {turns} turns.")
@@ -81,7 +90,7 @@ async def forget_all(request: web.Request, v: Visit, data: Any) -> web.StreamRes
             f"Type the user's name ({v.user}) to confirm: this forgets all of their memory.",
             code="confirm_required",
         )
-    result = await actions.forget_everything(_parts(request).store, v.user)
+    result = await actions.forget_everything(parts_of(request).store, v.user)
     after(request.app[SERVICES], result)
     d = result.detail
     return done(
@@ -93,7 +102,7 @@ async def forget_all(request: web.Request, v: Visit, data: Any) -> web.StreamRes
 async def set_recall(request: web.Request, v: Visit, data: Any) -> web.StreamResponse:
     turn_id = actions.parse_turn_id(field(data, "id"))
     value = actions.parse_recall(field(data, "recall"))
-    parts = _parts(request)
+    parts = parts_of(request)
     turn = await actions.set_recall(parts.store, v.user, turn_id, value)
     parts.memory.recall.forget_pinned(v.user)
     what = {
@@ -107,7 +116,7 @@ async def set_recall(request: web.Request, v: Visit, data: Any) -> web.StreamRes
 @form
 async def add_note(request: web.Request, v: Visit, data: Any) -> web.StreamResponse:
     text = actions.clean_text(field(data, "text"))
-    parts = _parts(request)
+    parts = parts_of(request)
     turn = await actions.add_note(
         parts.store,
         parts.retriever.embedder,
@@ -122,7 +131,7 @@ async def add_note(request: web.Request, v: Visit, data: Any) -> web.StreamRespo
 async def edit_fact(request: web.Request, v: Visit, data: Any) -> web.StreamResponse:
     fact_id = actions.parse_turn_id(field(data, "id"))
     text = actions.clean_text(field(data, "text"))
-    parts = _parts(request)
+    parts = parts_of(request)
     turn, result = await actions.edit_fact(
         parts.store,
         parts.retriever.embedder,
@@ -139,7 +148,7 @@ async def edit_fact(request: web.Request, v: Visit, data: Any) -> web.StreamResp
 async def delete_fact(request: web.Request, v: Visit, data: Any) -> web.StreamResponse:
     _confirmed(data)
     fact_id = actions.parse_turn_id(field(data, "id"))
-    result = await actions.delete_fact(_parts(request).store, v.user, fact_id)
+    result = await actions.delete_fact(parts_of(request).store, v.user, fact_id)
     after(request.app[SERVICES], result)
     return done(v, back_to(data, "/memory"), f"Fact {fact_id} deleted.")
 
@@ -151,7 +160,7 @@ async def feedback(request: web.Request, v: Visit, data: Any) -> web.StreamRespo
     if helpful not in ("yes", "no"):
         raise BadRequest("helpful must be yes or no.", param="helpful")
     note = (field(data, "note") or "").strip()[:2000] or None
-    fb = _parts(request).memory.feedback
+    fb = parts_of(request).memory.feedback
     if fb is None:
         raise BadRequest("Feedback is not recorded on this server.")
     result = await fb.submit(v.user, request_id, helpful == "yes", note)

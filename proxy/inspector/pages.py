@@ -13,7 +13,6 @@ from typing import Any
 from aiohttp import web
 
 from proxy.api.views import owned_session
-from proxy.auth import is_loopback_peer
 from proxy.background.stats import token_figures
 from proxy.errors import BadRequest, EngramError
 from proxy.inspector import charts
@@ -34,6 +33,7 @@ from proxy.search.fts_query import match_of, query_words
 from proxy.services import SERVICES
 from proxy.store import browse, corrections
 from proxy.store.counters import memory_counts
+from proxy.store.items import session_items
 from proxy.store.naming import FACTS_PREFIX, NOTES_PREFIX, named_session
 from proxy.store.summaries import get_summary
 
@@ -152,7 +152,6 @@ async def overview(request: web.Request, v: Visit) -> web.StreamResponse:
             "embedding": indexer.failures if indexer else 0,
             "background tasks": services.tasks.failed,
         },
-        settings=services.settings,
         db=services.settings.memory.db_path,
     )
 
@@ -218,9 +217,9 @@ async def session(request: web.Request, v: Visit) -> web.StreamResponse:
             "turns": browse.turn_page(c, s.id, limit=TURNS_PAGE, offset=(n - 1) * TURNS_PAGE),
             "summary": get_summary(c, s.id),
             "tree": browse.sub_sessions(c, s.id),
-            "handbacks": browse.items_of(c, s.id, "summary", 50),
-            "facts": corrections.facts_of(c, v.user, s.id, 100),
-            "own_facts": browse.items_of(c, s.id, "fact", 100),
+            "handbacks": session_items(c, s.id, "summary", 50),
+            "facts": browse.facts_of(c, v.user, s.id, 100),
+            "own_facts": session_items(c, s.id, "fact", 100),
         }
 
     data = await store.read(read)
@@ -303,7 +302,7 @@ async def memory_page(request: web.Request, v: Visit) -> web.StreamResponse:
             "note_total": note_total,
             "facts": facts,
             "fact_total": fact_total,
-            "marked": corrections.marked(c, v.user, 200),
+            "marked": browse.marked(c, v.user, 200),
         }
 
     data = await store.read(read)
@@ -314,7 +313,6 @@ async def memory_page(request: web.Request, v: Visit) -> web.StreamResponse:
         page=n,
         pages=max(1, -(-data["fact_total"] // PAGE)),
         recall_names=corrections.RECALL_NAMES,
-        loopback=is_loopback_peer(request.remote),
         **data,
     )
 

@@ -27,7 +27,7 @@ from urllib.parse import urlencode
 import jinja2
 from aiohttp import web
 
-from proxy.api.views import clean_user
+from proxy.auth import acting_user
 from proxy.errors import EngramError, Forbidden, ServiceUnavailable, Unauthorized
 from proxy.inspector.signin import COOKIE, WebSession, WebSessions
 from proxy.services import SERVICES, MemoryParts
@@ -126,15 +126,7 @@ async def visit(request: web.Request, named: str | None) -> Visit:
     if p.key_id is not None and not await request.app[SERVICES].auth.key_active(p.key_id):
         request.app[INSPECTOR].sessions.end(ws.id)
         raise Unauthorized("The key this sign-in used was revoked.", code="key_revoked")
-    if p.admin:
-        return Visit(ws, clean_user(named) if named else (p.user or clean_user(None)), True)
-    assert p.user is not None
-    if named and clean_user(named) != p.user:
-        raise Forbidden(
-            f"Signed in as user {p.user!r}: another user's memory is not yours to see.",
-            code="not_your_user",
-        )
-    return Visit(ws, p.user, False)
+    return Visit(ws, acting_user(p, named), p.admin)
 
 
 def parts_of(request: web.Request) -> MemoryParts:
@@ -196,8 +188,8 @@ def form(fn: Callable[[web.Request, Visit, Any], Awaitable[web.StreamResponse]])
         request[STARTED] = time.perf_counter()
         data = await request.post()
         try:
-            v = await visit(request, _field(data, "user"))
-            if not v.ws.csrf_ok(_field(data, "csrf")):
+            v = await visit(request, field(data, "user"))
+            if not v.ws.csrf_ok(field(data, "csrf")):
                 raise Forbidden(
                     "This form is not from your signed-in page (its token is missing or "
                     "stale): open the page again and retry.",
@@ -213,14 +205,10 @@ def form(fn: Callable[[web.Request, Visit, Any], Awaitable[web.StreamResponse]])
     return handler
 
 
-def _field(data: Any, name: str) -> str | None:
-    value = data.get(name)
-    return value if isinstance(value, str) else None
-
-
 def field(data: Any, name: str) -> str | None:
     """A text field of a posted form (None: absent, or a file)."""
-    return _field(data, name)
+    value = data.get(name)
+    return value if isinstance(value, str) else None
 
 
 def done(v: Visit, path: str, msg: str, **params: Any) -> web.Response:

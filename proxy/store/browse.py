@@ -125,16 +125,6 @@ def turn_page(conn: Connection, session_id: str, *, limit: int, offset: int = 0)
     return [turn_of(r) for r in rows]
 
 
-def items_of(conn: Connection, session_id: str, role: str, limit: int) -> list[Turn]:
-    """A session's memory items of a role (hand-backs: ``summary``; facts), the newest first."""
-    rows = conn.execute(
-        f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position < 0 AND role = ?"
-        " ORDER BY position LIMIT ?",
-        (session_id, role, limit),
-    )
-    return [turn_of(r) for r in rows]
-
-
 def sub_sessions(conn: Connection, session_id: str, limit: int = 500) -> list[tuple[Session, int]]:
     """The sessions under this one (sub-agents, theirs…), each with its depth below it, in tree
     order (a parent before its children)."""
@@ -200,3 +190,22 @@ def session_turns_newest(
         (session_id, limit, offset),
     )
     return [turn_of(r) for r in rows], int(total)
+
+
+def marked(conn: Connection, user_id: str, limit: int) -> list[Turn]:
+    """The user's pinned and muted turns, the newest first (the page's list)."""
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE user_id = ? AND recall != 0 ORDER BY id DESC LIMIT ?",
+        (user_id, limit),
+    )
+    return [turn_of(r) for r in rows]
+
+
+def facts_of(conn: Connection, user_id: str, session_id: str, limit: int) -> list[Turn]:
+    """Facts distilled from the user's session, the newest first."""
+    rows = conn.execute(
+        f"SELECT {TURN_COLS} FROM turns WHERE user_id = ? AND role = 'fact'"
+        " AND source_session = ? ORDER BY id DESC LIMIT ?",
+        (user_id, session_id, limit),
+    )
+    return [turn_of(r) for r in rows]

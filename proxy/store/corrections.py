@@ -104,15 +104,6 @@ def pinned(conn: Connection, user_id: str, limit: int) -> list[Turn]:
     return [turn_of(r) for r in rows]
 
 
-def marked(conn: Connection, user_id: str, limit: int) -> list[Turn]:
-    """The user's pinned and muted turns, the newest first (the page's list)."""
-    rows = conn.execute(
-        f"SELECT {TURN_COLS} FROM turns WHERE user_id = ? AND recall != 0 ORDER BY id DESC LIMIT ?",
-        (user_id, limit),
-    )
-    return [turn_of(r) for r in rows]
-
-
 def notes_session(conn: Connection, user_id: str, now: float) -> str:
     """The id of the user's notes session (``notes~<user>``, indexed), made when first needed."""
     return create_named(
@@ -155,13 +146,3 @@ def fact_sources(conn: Connection, ids: list[int]) -> dict[int, tuple[str | None
         (json_list(ids),),
     )
     return {int(r[0]): (r[1], r[2]) for r in rows}
-
-
-def facts_of(conn: Connection, user_id: str, session_id: str, limit: int) -> list[Turn]:
-    """Facts distilled from the user's session, the newest first."""
-    rows = conn.execute(
-        f"SELECT {TURN_COLS} FROM turns WHERE user_id = ? AND role = 'fact'"
-        " AND source_session = ? ORDER BY id DESC LIMIT ?",
-        (user_id, session_id, limit),
-    )
-    return [turn_of(r) for r in rows]

@@ -480,3 +480,51 @@ async def test_a_tool_result_slot_shows_on_every_page_that_names_it(
         await page.screenshot(SHOTS / "inspector-slots-listed.png")
     finally:
         await engram.close()
+
+
+async def test_bad_parameters_get_a_clear_page_and_change_nothing(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    engram = await seeded(fake, http)
+    try:
+        before = await turn_rows(engram, "SELECT id, content, recall FROM turns ORDER BY id")
+        jar = aiohttp.CookieJar(unsafe=True)
+        async with aiohttp.ClientSession(cookie_jar=jar) as signed:
+            async with signed.post(engram.url + "/engram/signin", data={"token": ADMIN}) as r:
+                assert r.status == 200
+                csrf = re.findall(r'name="csrf" value="([^"]+)"', await r.text())[0]
+            for path, status, says in (
+                ("/sessions?page=abc", 400, "page must be a number"),
+                ("/sessions?page=0", 400, "page must be a number"),
+                ("/sessions?from=2026-13-45", 400, "from must be a date"),
+                ("/search?q=x&k=500", 400, "k must be from 1 to 100"),
+                ("/search?q=x&mode=semantic", 400, "mode must be one of"),
+                ("/sessions/no-such-session", 404, "No session"),
+                ("/requests/no-such-request", 404, "No request"),
+            ):
+                async with signed.get(engram.url + "/engram" + path) as r:
+                    assert r.status == status, path
+                    assert says in await r.text(), path
+            # Hostile search strings: an answer, never an error.
+            for q in ('"', "*", "NEAR(", "a AND OR", "\x00<script>", "' OR 1=1 --", "é" * 1000):
+                async with signed.get(engram.url + "/engram/search", params={"q": q}) as r:
+                    assert r.status == 200, q
+                    assert "<script>" not in await r.text()
+            for action, fields, says in (
+                ("note", {"text": "   "}, "must not be empty"),
+                ("note", {"text": "x" * 9000}, "at most 8000"),
+                ("recall", {"id": "1", "recall": "always"}, "recall must be one of"),
+                ("forget-turn", {"id": "abc", "confirm": "yes"}, "turn id"),
+                ("forget-turn", {"id": "1"}, "confirmation box"),
+                ("forget-all", {"confirm_user": "someone-else"}, "Type the user"),
+                ("fact-edit", {"id": "999999", "text": "x"}, "No turn 999999"),
+            ):
+                async with signed.post(
+                    engram.url + f"/engram/actions/{action}", data={"csrf": csrf, **fields}
+                ) as r:
+                    assert r.status in (400, 404), action
+                    assert says in await r.text(), (action, fields)
+        after = await turn_rows(engram, "SELECT id, content, recall FROM turns ORDER BY id")
+        assert after == before
+    finally:
+        await engram.close()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from proxy.store import NewTurn, Store, corrections
+from proxy.store import NewTurn, Store, browse, corrections
 from proxy.store.db import Connection
 from proxy.store.feedback import RecordedRequest, insert_request
 from proxy.store.items import insert_item
@@ -208,7 +208,7 @@ async def test_pins_and_mutes(store: Store) -> None:
     pinned = await store.read(lambda c: corrections.pinned(c, "u", 10))
     assert [t.id for t in pinned] == [ids[1], ids[0]]  # the newest first
     assert [t.id for t in await store.read(lambda c: corrections.pinned(c, "u", 1))] == [ids[1]]
-    marked = await store.read(lambda c: corrections.marked(c, "u", 10))
+    marked = await store.read(lambda c: browse.marked(c, "u", 10))
     assert [(t.id, t.recall) for t in marked] == [(ids[3], -1), (ids[1], 1), (ids[0], 1)]
     assert await store.read(lambda c: corrections.pinned(c, "v", 10)) == []
     turn = await store.write(lambda c: corrections.set_recall(c, "u", ids[3], 0))
