@@ -25,7 +25,6 @@ from proxy.search.fusion import Fused, mmr, rrf
 from proxy.search.scoring import Candidate, Columns, scored_order
 from proxy.store.models import Turn
 from proxy.store.rows import turn_of
-from proxy.store.scope import turn_rows
 from proxy.store.store import Store
 from proxy.vectors import Vector, as_vector
 
@@ -112,18 +111,26 @@ class Retriever:
             query_words(query, stop_words=STOP_WORDS if s.stop_words else None) if want_fts else []
         )
 
+        # Each path reads its candidates' rows in its own reader job; the vector path skips
+        # those the full-text path has read by then.
+        rows: dict[int, tuple[Any, ...]] = {}
+        share = s.fts_common_share
+        counted = words if len(words) >= 2 and share < 1.0 else []
+
         async def fts() -> list[tuple[int, float]]:
-            match = match_of(await self._uncommon(user_id, words))
-            if match is None:
-                return []
-            return await self.store.fts_search(
+            ranked, found = await self.store.fts_candidates(
                 user_id,
-                match,
+                counted,
+                lambda shares: match_of(uncommon(words, shares, share)),
                 n,
+                min_turns=COMMON_WORDS_ABOVE + 1,
+                above=share,
                 session_ids=session_ids,
                 exclude_sessions=skip,
                 exclude_roles=roles,
             )
+            rows.update(found)
+            return ranked
 
         qvec: Vector | None = None
 
@@ -135,14 +142,17 @@ class Retriever:
                 qvec = await query_vector
             else:
                 qvec = (await self.embedder.embed_queries([query]))[0]
-            return await self.store.vec_search(
+            ranked, found = await self.store.vec_candidates(
                 user_id,
                 qvec,
                 n,
+                known=rows,
                 session_ids=session_ids,
                 exclude_sessions=skip,
                 exclude_roles=roles,
             )
+            rows.update(found)
+            return ranked
 
         if deadline is None:
             fts_rows, vec_rows = await asyncio.gather(fts(), vec())
@@ -158,7 +168,6 @@ class Retriever:
             return []
         # Raw rows, no Turn each: the fusion reads five fields of every candidate, and only
         # the few results kept (and those ``keep`` is asked about) become Turns.
-        rows = await self.store.read(lambda c: turn_rows(c, ids, user_id))
         made: dict[int, Turn] = {}
 
         def turn(turn_id: int) -> Turn:
@@ -246,8 +255,7 @@ class Retriever:
         shares = await self.store.fts_word_shares(
             user_id, words, min_turns=COMMON_WORDS_ABOVE + 1, above=share
         )
-        kept = [w for w in words if shares.get(w, 0.0) <= share]
-        return kept or [min(words, key=lambda w: shares.get(w, 0.0))]
+        return uncommon(words, shares, share)
 
     async def _mmr(
         self, user_id: str, fused: list[Fused[int]], qvec: Vector, k: int
@@ -271,6 +279,16 @@ class Retriever:
         )
         by_id = {f.id: f for f in pool}
         return [by_id[i] for i in order]
+
+
+def uncommon(words: list[str], shares: dict[str, float], share: float) -> list[str]:
+    """``words`` less those of more than ``share`` of the user's turns (``shares``, as
+    :meth:`~proxy.store.store.Store.fts_word_shares` gives them); when every word is that
+    common, the rarest one. Fewer than two words, or ``share`` 1: ``words``."""
+    if len(words) < 2 or share >= 1.0:
+        return words
+    kept = [w for w in words if shares.get(w, 0.0) <= share]
+    return kept or [min(words, key=lambda w: shares.get(w, 0.0))]
 
 
 async def _by_deadline(

@@ -29,6 +29,8 @@ Public surface (all ``async`` except the constructor)::
     fts_word_shares(user_id, words, *, min_turns=0, above=0) -> {word: share of the user's turns}
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
+    fts_candidates(user_id, words, choose, limit, ...) / vec_candidates(user_id, vector, limit,
+               *, known=(), ...) -> (ranking, rows)  each path in one reader job (store.searching)
     export(user_id) -> AsyncIterator[dict]  sessions then turns;  stats();  preload()  warm start
     ensure_embedding_model(name, dim=None) -> bool   False when turn_vec holds another model's
                                 vectors (store.vectable); vec_dim: turn_vec's dimension
@@ -43,13 +45,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search, term_cache, term_index, vec_cache, vectable, warm
+from proxy.store import indexing, queries, search, term_cache, vec_cache, vectable, warm
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -57,16 +59,15 @@ from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
 from proxy.store.scrub import Scrubber
 from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
+from proxy.store.searching import Searching
 from proxy.vectors import Vector
 
 T = TypeVar("T")
 
-# How long a user's turn count (which picks exact or quantised KNN) is trusted.
-_COUNT_TTL_S = 30.0
 
-
-class Store:
-    """The memory database. Create, ``await open()``, use, ``await close()``."""
+class Store(Searching):
+    """The memory database. Create, ``await open()``, use, ``await close()``. Its search
+    methods are :class:`~proxy.store.searching.Searching`'s."""
 
     def __init__(
         self,
@@ -307,134 +308,9 @@ class Store:
         ids = list(ids)
         return await self.read(lambda c: queries.get_turns(c, ids, user_id)) if ids else []
 
-    # -- search ---------------------------------------------------------------------------
-    async def fts_search(
-        self,
-        user_id: str,
-        match: str,
-        limit: int,
-        *,
-        session_ids: Sequence[str] | None = None,
-        exclude_ids: Iterable[int] = (),
-        exclude_sessions: Sequence[str] = (),
-        exclude_roles: Sequence[str] = (),
-    ) -> list[tuple[int, float]]:
-        """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.search.fts_query`."""
-        sessions = list(session_ids) if session_ids is not None else None
-        excluded, skip, roles = list(exclude_ids), list(exclude_sessions), list(exclude_roles)
-
-        def job(c: Connection) -> list[tuple[int, float]]:
-            mine = self._user_turn_count(c, user_id)
-            self.terms.written_elsewhere(c)  # another process imported: both caches reload
-            found = self.terms.search(c, user_id, term_index.terms_of(match), limit,
-                self._in_background, mine, self._fts_weights, session_ids=sessions,
-                exclude_ids=excluded, exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
-            if found is not None:  # the user's terms held in memory (store.term_cache)
-                return found
-            return search.fts_search(
-                c,
-                user_id,
-                match,
-                limit,
-                session_ids=sessions,
-                exclude_ids=excluded,
-                exclude_sessions=skip,
-                weights=self._fts_weights,
-                probe_first=mine >= search.FTS_PROBE_USER_SHARE * self._user_turn_count(c, None),
-                exclude_roles=roles,
-            )
-
-        return await self.read(job)
-
-    async def vec_search(
-        self,
-        user_id: str,
-        vector: Vector,
-        limit: int,
-        *,
-        session_ids: Sequence[str] | None = None,
-        exclude_ids: Iterable[int] = (),
-        exclude_sessions: Sequence[str] = (),
-        mode: VecMode | None = None,
-        exclude_roles: Sequence[str] = (),
-    ) -> list[tuple[int, float]]:
-        """(turn id, cosine distance) nearest first, over the user's partition only."""
-        sessions = list(session_ids) if session_ids is not None else None
-        excluded, skip, roles = list(exclude_ids), list(exclude_sessions), list(exclude_roles)
-        mode = mode or self._vec_mode
-
-        def job(c: Connection) -> list[tuple[int, float]]:
-            # The exact plan in memory (store.vec_cache) whenever the user's vectors are held
-            # there, however many; vec0's plans while they are not (or would not fit).
-            count = self._user_turn_count(c, user_id)
-            self.terms.written_elsewhere(c)  # another process imported: both caches reload
-            found = None if mode == "quantized" else self.vectors.search(user_id, vector, limit,
-                self._in_background, count, session_ids=sessions, exclude_ids=excluded,
-                exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
-            if found is not None:
-                return found
-            quantized = mode == "quantized" or (mode == "auto" and count > self._quantized_above)
-            return search.vec_search(c, user_id, vector, limit, session_ids=sessions,
-                exclude_ids=excluded, quantized=quantized, exclude_sessions=skip,
-                exclude_roles=roles, dim=self.vec_dim)  # fmt: skip
-
-        return await self.read(job)
-
-    async def turn_vectors(self, user_id: str, ids: Sequence[int]) -> dict[int, Vector]:
-        ids = list(ids)
-        found = self.vectors.vectors(user_id, ids)
-        if found is None:  # not held (store.vec_cache): point lookups
-            found = await self.read(lambda c: indexing.turn_vectors(c, ids, user_id))
-        return found
-
-    async def fts_word_shares(
-        self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
-    ) -> dict[str, float]:
-        """Each query word's share of ``user_id``'s turns, as far as known without waiting
-        (search.UserWordCounts); empty below ``min_turns`` turns. No hop when remembered."""
-        words = list(dict.fromkeys(words))
-        floor, mine, total = max(1, min_turns), self._fresh(user_id), self._fresh("\0all")
-        if not words or (mine is not None and mine < floor):  # known to be below: no read
-            return {}
-        quick = self._words.remembered(user_id, words, mine, total, above)
-
-        def job(c: Connection) -> dict[str, float]:
-            mine = self._user_turn_count(c, user_id)
-            if mine < floor:
-                return {}
-            total = self._user_turn_count(c, None)
-            return self._words.shares(c, user_id, words, mine, total, above) or {}
-
-        shares = quick if quick is not None else await self.read(job)
-        if self._words.pending() and self._writer is not None:
-            self._words.running = True  # counted in the background: nothing waits for it
-            self._in_background(self._words.run)
-        return shares
-
-    def _in_background(self, fn: Callable[[Connection], object]) -> None:
-        """Run ``fn(conn)`` on the loader thread (store.warm); nothing waits for it."""
-        self.loader.submit(fn)
-
     async def preload(self) -> list[str]:
         """Start loading the caches of the users seen last (a warm start, store.warm)."""
         return await warm.warm_start(self.read, self.terms, self.vectors, self.loader, self.vec_dim)
-
-    def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
-        """A recent count of the user's (``None``: all) turns; stale only picks a plan."""
-        key = "\0all" if user_id is None else user_id
-        if (known := self._fresh(key)) is not None:
-            return known
-        if user_id is None:
-            count = int(conn.execute("SELECT count(*) FROM turns").fetchone()[0])
-        else:
-            count = queries.count_user_turns(conn, user_id)
-        self._user_counts[key] = (time.monotonic(), count)
-        return count
-
-    def _fresh(self, key: str) -> int | None:
-        """A user's (``"\0all"``: all) turn count counted in the last :data:`_COUNT_TTL_S`."""
-        cached = self._user_counts.get(key)
-        return cached[1] if cached and time.monotonic() - cached[0] < _COUNT_TTL_S else None
 
     # -- export, stats, meta --------------------------------------------------------------
     def export(self, user_id: str, *, page_size: int = 500) -> AsyncIterator[dict[str, Any]]:
