@@ -178,6 +178,7 @@ class Rewriter:
             self.summarizer.account_prompt(final.tokens)
         if final.messages != mt.messages:
             mt.forward_messages = final.messages
+            mt.raw_tokens = round(final.tokens / self.tokens.factor(model))
             mt.slot_refs = references(final.messages) if mt.slot_refs else []
         self._remember(mt, final)
 

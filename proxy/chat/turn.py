@@ -72,6 +72,9 @@ class MemoryTurn:
     recorded: bool = False  # the request record is written (or under way)
     why: dict[int, Why] = field(default_factory=dict)  # memory turn id -> why it was recalled
     memory_ms: float | None = None  # how long the memory stages took before forwarding
+    # The forwarded prompt's tokens before the model's correction, as the assembler counted
+    # them (what the upstream's usage report is learned against, without counting again).
+    raw_tokens: int | None = None
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from typing import Any
 
@@ -322,6 +323,40 @@ async def test_token_counts_calibrated_from_upstream_usage(
     await chat(http, engram, [SYSTEM, {"role": "user", "content": "count my tokens " * 40}])
     await settle(engram)
     assert tokens.ratio("m") is not None
+
+
+async def test_a_rewritten_prompt_is_learned_against_the_assemblers_count(
+    real: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """A prompt with memories is learned from without counting it again: the sample is the
+    upstream's count over the assembler's, which is a fresh count's or above it by at most a
+    token a line of the memory block (a line end that merges with the line before) and the
+    block's four for joining the system message (prompt.assemble), give or take the rounding
+    of each line's and message's corrected count (half a token each)."""
+    tokens = real.app[SERVICES].memory.tokens
+    await chat(http, real, [SYSTEM, {"role": "user", "content": "I play the cello."}], user="c")
+    await settle(real)
+    before = tokens.ratio("m")
+    assert before is not None
+    _, r = await chat(
+        http, real, [SYSTEM, {"role": "user", "content": "What instrument do I play?"}], user="c"
+    )
+    assert int(r.headers["X-Engram-Memories"]) >= 1
+    await settle(real)
+    after = tokens.ratio("m")
+    assert after is not None and after != before
+    sample = (after - 0.8 * before) / 0.2  # the moving average's new sample (TokenCounter.learn)
+    forwarded = fake.chat_requests()[-1].json()["messages"]
+    assert BLOCK_OPEN in forwarded[0]["content"]
+    # The system message with the block was not tokenised for it (TokenCounter's memo) ...
+    joined = forwarded[0]["content"].encode()
+    assert hashlib.blake2b(joined, digest_size=16).digest() not in tokens._memo
+    # ... and what it was learned against is close to a fresh count.
+    assembler = fake.last_prompt_tokens / sample
+    fresh = tokens.messages(forwarded)
+    lines = forwarded[0]["content"].count("\n") + 1
+    rounding = (lines + len(forwarded)) * 0.5 / before + 1
+    assert fresh - rounding <= assembler <= fresh + lines + 4 + rounding, (assembler, fresh)
 
 
 async def test_parallel_requests_in_one_named_session_lose_nothing(
