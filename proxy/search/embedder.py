@@ -133,8 +133,8 @@ def default_cache_dir() -> Path:
     return Path(base) / "engram" / "models"
 
 
-def _text_key(kind: Kind, text: str) -> bytes:
-    return hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).digest()
+def _text_key(kind: Kind | None, text: str) -> bytes:
+    return hashlib.blake2b(f"{kind or ''}\0{text}".encode(), digest_size=16).digest()
 
 
 class CachingEmbedder:
@@ -143,6 +143,10 @@ class CachingEmbedder:
     Subclasses implement :meth:`_load_sync` and :meth:`_embed_sync`, both run on the lane's
     worker (``kind`` says which lane).
     """
+
+    symmetric = False
+    """True when queries and passages get the same vector for the same text (no prefixes, the
+    same session settings on both lanes): the LRU then answers one lane with the other's."""
 
     def __init__(self, *, batch_size: int = 32, lru_size: int = 4096) -> None:
         if batch_size < 1:
@@ -203,7 +207,10 @@ class CachingEmbedder:
     async def _embed(self, kind: Kind, texts: Sequence[str]) -> list[Vector]:
         if isinstance(texts, str):
             raise TypeError("pass a sequence of texts, not a single str")
-        keys = [_text_key(kind, t) for t in texts]
+        # A symmetric model embeds a text alike on both lanes: one cache entry serves both
+        # (a chat's query is embedded as its user turn is stored, so the archive reuses it).
+        keyed: Kind | None = None if self.symmetric else kind
+        keys = [_text_key(keyed, t) for t in texts]
         found: dict[bytes, Vector] = {}
         todo: dict[bytes, str] = {}
         for key, text in zip(keys, texts, strict=True):
@@ -236,6 +243,7 @@ class HashEmbedder(CachingEmbedder):
     def __init__(self, dim: int = MINILM_DIM, *, batch_size: int = 32, lru_size: int = 0) -> None:
         super().__init__(batch_size=batch_size, lru_size=lru_size)
         self._dim = dim
+        self.symmetric = True  # ``kind`` changes nothing
 
     @property
     def name(self) -> str:
@@ -288,6 +296,10 @@ class FastEmbedEmbedder(CachingEmbedder):
         self._local_dir = folder if model not in _BUILTIN and folder.is_dir() else None
         self._models: dict[Kind, Any] = {}
         self._per_text = False
+        # The bundled models and a local folder register with fastembed without query or
+        # passage prefixes, and both lanes' sessions are made alike (checked bit for bit in
+        # tests/unit/test_embedder.py); a hub model may prefix one kind.
+        self.symmetric = model in _BUILTIN or self._local_dir is not None
 
     @property
     def name(self) -> str:

@@ -8,12 +8,15 @@ import json
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 import pytest_asyncio
 
 from proxy.chat.fence import BLOCK_OPEN
+from proxy.search.embedder import CachingEmbedder, Kind
 from proxy.services import SERVICES
 from proxy.store.models import Turn
+from proxy.vectors import Vector
 from testing.fake_chunks import chat_chunks, template_violations
 from testing.fake_upstream import FakeUpstream, StreamReply
 from testing.harness import Engram, settle, start_engram
@@ -357,6 +360,37 @@ async def test_a_rewritten_prompt_is_learned_against_the_assemblers_count(
     lines = forwarded[0]["content"].count("\n") + 1
     rounding = (lines + len(forwarded)) * 0.5 / before + 1
     assert fresh - rounding <= assembler <= fresh + lines + 4 + rounding, (assembler, fresh)
+
+
+async def test_a_user_turn_is_stored_with_its_query_vector_not_embedded_again(
+    real: Engram, http: aiohttp.ClientSession
+) -> None:
+    """Recall embeds the new message as its turn is archived ("user: <words>"), so the
+    archive's passage embedding of that turn is the query's vector from the cache: the model
+    sees the message once."""
+    embedder = real.app[SERVICES].require_memory().retriever.embedder
+    assert isinstance(embedder, CachingEmbedder) and embedder.symmetric
+    seen: list[tuple[str, list[str]]] = []
+    model = embedder._embed_batch
+
+    def counting(kind: Kind, texts: list[str]) -> list[Vector]:
+        seen.append((kind, list(texts)))
+        return model(kind, texts)
+
+    embedder._embed_batch = counting  # type: ignore[method-assign]
+    text = "I restore old bicycles on weekends."
+    await chat(http, real, [SYSTEM, {"role": "user", "content": text}], user="bikes")
+    await settle(real)
+    embedded = [t for _, texts in seen for t in texts]
+    assert seen[0] == ("query", [f"user: {text}"])
+    assert embedded.count(f"user: {text}") == 1  # not again as a passage
+    assert any(t.startswith("assistant: ") for t in embedded)  # the reply was embedded
+    turns = await all_turns(real, "bikes")
+    store = real.app[SERVICES].store
+    vectors = await store.turn_vectors("bikes", [t.id for t in turns if t.role == "user"])
+    (stored,) = vectors.values()
+    (fresh,) = await embedder.embed_queries([f"user: {text}"])
+    np.testing.assert_array_equal(stored, fresh)
 
 
 async def test_parallel_requests_in_one_named_session_lose_nothing(

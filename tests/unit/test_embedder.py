@@ -24,6 +24,7 @@ from proxy.search.embedder import (
     create_embedder,
 )
 from proxy.search.model_files import quantizes_per_call
+from proxy.vectors import Vector
 
 
 async def embed_alone(text: str) -> np.ndarray:
@@ -69,6 +70,7 @@ async def test_hash_embedder_is_deterministic_normalised_and_word_based() -> Non
 @pytest.mark.asyncio
 async def test_dedup_batching_lru_and_worker_thread() -> None:
     e = Recording(batch_size=2, lru_size=3)
+    e.symmetric = False  # as a model that prefixes queries or passages
     try:
         out = await e.embed_passages(["a", "b", "a", "c", "b"])
         assert [kind for kind, _ in e.batches] == ["passage", "passage"]
@@ -91,6 +93,13 @@ async def test_dedup_batching_lru_and_worker_thread() -> None:
             await e.embed_passages("not a list")
     finally:
         await e.aclose()
+    same = Recording(lru_size=3)  # symmetric (the hash embedder ignores the kind)
+    try:
+        await same.embed_queries(["user: a"])
+        await same.embed_passages(["user: a"])  # the query's vector, from the cache
+        assert same.batches == [("query", ["user: a"])]
+    finally:
+        await same.aclose()
 
 
 @pytest.mark.asyncio
@@ -234,3 +243,35 @@ async def test_q8_vectors_match_the_float_model_and_ignore_their_batch(model_cac
     finally:
         await q8.aclose()
         await f32.aclose()
+
+
+@pytest.mark.asyncio
+async def test_the_bundled_model_is_symmetric_and_a_query_serves_its_passage(
+    model_cache: Path,
+) -> None:
+    """Both lanes give a text the same vector bit for bit (what ``symmetric`` promises), so a
+    passage already embedded as a query comes from the cache: a chat's user turn is archived
+    with the text its recall query was embedded from (retrieval.vector_text)."""
+    texts = ["user: What instrument do I play?", "user: Where did we go in May?"]
+    plain = FastEmbedEmbedder(DEFAULT_MODEL, cache_dir=model_cache, lru_size=0)
+    cached = FastEmbedEmbedder(DEFAULT_MODEL, cache_dir=model_cache)
+    try:
+        assert plain.symmetric and cached.symmetric
+        queries, passages = await plain.embed_queries(texts), await plain.embed_passages(texts)
+        for q, p in zip(queries, passages, strict=True):
+            np.testing.assert_array_equal(q, p)
+        asked = await cached.embed_queries(texts)
+        calls: list[list[str]] = []
+        real = cached._embed_batch
+
+        def counting(kind: Kind, batch: list[str]) -> list[Vector]:
+            calls.append(batch)
+            return real(kind, batch)
+
+        cached._embed_batch = counting  # type: ignore[method-assign]
+        stored = await cached.embed_passages([*texts, "user: a text never asked"])
+        assert [v is a for v, a in zip(stored, asked, strict=False)] == [True, True]
+        assert calls == [["user: a text never asked"]]  # only the new text reached the model
+    finally:
+        await plain.aclose()
+        await cached.aclose()
