@@ -68,14 +68,21 @@ async def test_claude_code_recalls_a_fact_from_another_run_on_a_real_model(
     )
     assert told.ok, told.report() + "\n" + llama8k.log_tail()
     await settle(engram_llama, timeout=60)
+    before = len(engram_llama.turns)
     asked = await run_claude(
         engram_llama.url, QUESTION, home=home, cwd=work, model=MODEL, timeout=TIMEOUT,
         agents=agents,
     )  # fmt: skip
     assert asked.ok, asked.report() + "\n" + llama8k.log_tail()
     turns = engram_llama.turns
-    assert [t.status for t in turns] == [200, 200], [t.response_headers for t in turns]
-    last = turns[-1]
+    # One request a run, unless the tiny model's sampled reply makes Claude Code go on (seen
+    # once in CI: three requests for the two runs): the question's is the asking run's first
+    # request that carries it.
+    assert before >= 1 and len(turns) > before, [t.response_headers for t in turns]
+    assert all(t.status == 200 for t in turns), [t.response_headers for t in turns]
+    carrying = [t for t in turns[before:] if QUESTION in json.dumps(t.forwarded)]
+    assert carrying, [t.response_headers for t in turns]
+    last = carrying[0]
     assert int(last.response_headers["X-Engram-Memories"].split(";")[0]) >= 1
     given = json.dumps(last.forwarded)
     block = given[given.find("<engram-memory") : given.find("</engram-memory")]
