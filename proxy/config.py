@@ -20,7 +20,7 @@ from typing import Any
 
 ENV_PREFIX = "ENGRAM_"
 # Environment variables with the prefix that are not settings.
-_ENV_NOT_SETTINGS = frozenset({"ENGRAM_CONFIG"})
+_ENV_NOT_SETTINGS = frozenset({"ENGRAM_CONFIG", "ENGRAM_WORKER"})  # the file; a worker's number
 
 
 class ConfigError(ValueError):
@@ -50,6 +50,14 @@ class ServerSettings:
 
     host: str = opt("127.0.0.1", "Address to bind. A non-loopback address also needs allow_remote.")
     port: int = opt(8787, "TCP port to listen on.", min=0, max=65535)
+    workers: int = opt(
+        1,
+        "Processes serving the port (Linux SO_REUSEPORT: the kernel spreads connections over "
+        "them). Each holds its own search caches, kept in step through the database; more "
+        "than 1 needs a fixed port.",
+        min=1,
+        max=64,
+    )
     allow_remote: bool = opt(
         False, "Allow binding a non-loopback address (exposes your memory to the network)."
     )

@@ -40,6 +40,7 @@ from proxy.search.embedder import Embedder
 from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_embedder
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
+from proxy.store import queries
 from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
 from proxy.store.warm import cache_split
@@ -49,6 +50,8 @@ from proxy.upstream import Upstream, UpstreamInfo, detect
 
 log = logging.getLogger("engram.services")
 
+FENCE_SECRET_KEY = "fence_secret"
+"""The ``meta`` key of the memory block's tag secret (shared by every process on the database)."""
 FTS_ONLY_HINT = (
     'To start anyway with full-text search only, set embedder.on_unusable = "fts-only" '
     "(ENGRAM_EMBEDDER_ON_UNUSABLE=fts-only)."
@@ -250,6 +253,11 @@ async def _open_memory(
         feedback=feedback,
         slots=slots,
         indexer=indexer,
+    )
+    # The memory block's tags the same in every process on this database, and after a
+    # restart: the upstream's prompt cache keeps matching (proxy.chat.fence.block_tag).
+    memory.rewriter.fence_secret = await store.write(
+        lambda c: queries.shared_secret(c, FENCE_SECRET_KEY)
     )
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -49,6 +50,7 @@ from proxy.store.feedback import (
     RecordedRequest,
     feedback_notes,
     get_request,
+    is_pending,
     mark_done,
     mark_failed_try,
     pending_requests,
@@ -210,7 +212,11 @@ class Consolidator:
             for request_id, owner in await self.store.read(
                 lambda c: pending_requests(c, user_id, batch)
             ):
-                outcome, facts = await self._one(request_id, owner)
+                async with self.summarizer.leases.hold(f"consolidate:{request_id}") as mine:
+                    pending = functools.partial(is_pending, request_id=request_id)
+                    if not mine or not await self.store.read(pending):
+                        continue  # another process has it, or had it meanwhile
+                    outcome, facts = await self._one(request_id, owner)
                 if outcome == "waiting":
                     report.waiting = (await self.store.read(lambda c: queue_counts(c, user_id)))[
                         "pending"

@@ -64,7 +64,9 @@ class Handback:
 
     async def _run(self, session: Session, model: str | None) -> None:
         try:
-            await self._handback(session, model)
+            async with self.summarizer.leases.hold(f"handback:{session.id}") as mine:
+                if mine:  # else another process is handing it back
+                    await self._handback(session, model)
         except Exception:
             log.exception("hand-back of %s failed; it stays open for another try", session.id)
         finally:

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.background.leases import Leases
 from proxy.chat.fence import clean_name, inert_line
 from proxy.config import Settings
 from proxy.logs import event
@@ -135,6 +136,7 @@ class Summarizer:
         self.upstream = upstream
         self.tokens = tokens
         self.prompt = load_prompt(settings.summary.prompt_file)
+        self.leases = Leases(store)  # one process at a time per item, on a shared database
         self.running: set[str] = set()
         self.tokens_proxied = 0
         self.tokens_spent = 0
@@ -170,15 +172,20 @@ class Summarizer:
             return None
         self.running.add(session_id)
         try:
-            # Long gaps are folded in chunks that fit the model's context, one call each.
-            summary, progressed = None, True
-            for _ in range(MAX_CHUNKS):
-                if not progressed:
-                    break
-                before = summary.upto if summary else -1
-                summary = await self._update(session_id, upto, model)
-                progressed = summary is not None and summary.upto > before and summary.upto < upto
-            return summary
+            async with self.leases.hold(f"summary:{session_id}") as mine:
+                if not mine:  # another process is summarising it
+                    return None
+                # Long gaps are folded in chunks that fit the model's context, one call each.
+                summary, progressed = None, True
+                for _ in range(MAX_CHUNKS):
+                    if not progressed:
+                        break
+                    before = summary.upto if summary else -1
+                    summary = await self._update(session_id, upto, model)
+                    progressed = (
+                        summary is not None and summary.upto > before and summary.upto < upto
+                    )
+                return summary
         except Exception:
             self.failed += 1
             log.exception("summary of session %s failed; the previous one stays", session_id)

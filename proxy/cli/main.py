@@ -9,13 +9,14 @@ import ipaddress
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from proxy import __version__, logs
-from proxy.cli import keys
+from proxy.cli import keys, workers
 from proxy.config import ConfigError, Settings, load_settings, render_defaults
 
 log = logging.getLogger("engram.cli")
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(serve)
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8787)")
+    serve.add_argument(
+        "--workers", type=int, metavar="N", help="processes serving the port (default 1)"
+    )
     serve.add_argument(
         "--allow-remote",
         action="store_true",
@@ -176,6 +180,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     flags = {
         ("server", "host"): getattr(args, "host", None),
         ("server", "port"): getattr(args, "port", None),
+        ("server", "workers"): getattr(args, "workers", None),
         ("server", "allow_remote"): getattr(args, "allow_remote", None),
         ("server", "log_level"): getattr(args, "log_level", None),
         ("upstream", "url"): getattr(args, "upstream", None),
@@ -258,13 +263,26 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, argv: Sequence[str] = ()) -> int:
+    """Run the proxy (``argv``: the command line, which ``--workers`` runs once per worker)."""
     server = settings.server
     listener = logs.setup(server.log_level, server.log_format)
     try:
+        if server.workers > 1 and workers.worker_number() is None:
+            return _supervise(settings, argv)
         return _serve(settings)
     finally:
         listener.stop()
+
+
+def _supervise(settings: Settings, argv: Sequence[str]) -> int:
+    why = workers.refusal(settings) or remote_refusal(settings)
+    if why:
+        print(f"engram: not starting {settings.server.workers} workers: {why}", file=sys.stderr)
+        return 2
+    if not settings.upstream.url:
+        log.warning("workers never start the bundled tiny model: set upstream.url if none is found")
+    return workers.Supervisor(settings, argv).run()
 
 
 async def _freeze(_app: web.Application) -> None:
@@ -294,7 +312,11 @@ def _serve(settings: Settings) -> int:
     app = create_app(settings)
     app.on_startup.append(_freeze)  # after the services' start (the cleanup context's)
 
+    number = workers.worker_number()
+
     def announce(text: str) -> None:
+        if number is not None and number > 1:
+            return  # the first worker speaks for all
         log.info(
             "engram %s listening on http://%s:%d — point OPENAI_BASE_URL at http://%s:%d/v1",
             __version__,
@@ -322,6 +344,7 @@ def _serve(settings: Settings) -> int:
             handler_cancellation=True,
             access_log=None,
             print=announce,
+            reuse_port=number is not None,  # the other workers bind the same port
         )
     except StartupRefused as exc:
         print(f"engram: not starting: {exc}", file=sys.stderr)
@@ -334,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         if args.command == "serve":
-            return serve(settings)
+            return serve(settings, sys.argv[1:] if argv is None else argv)
         if args.command == "keys":
             return keys.run(args, settings)
         if args.command in MEMORY_COMMANDS:

@@ -153,6 +153,15 @@ def pending_requests(conn: Connection, user_id: str | None, limit: int) -> list[
     return [(str(r[0]), str(r[1])) for r in rows]
 
 
+def is_pending(conn: Connection, request_id: str) -> bool:
+    """Whether the request still waits (another process may have taken it meanwhile)."""
+    row = conn.execute(
+        "SELECT 1 FROM consolidation_queue WHERE request_id = ? AND status = 'pending'",
+        (request_id,),
+    ).fetchone()
+    return row is not None
+
+
 def mark_done(conn: Connection, request_id: str, facts: int, note: str | None = None) -> None:
     """A queued request is consolidated: ``facts`` new facts, ``note`` why none if so."""
     conn.execute(

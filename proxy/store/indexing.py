@@ -47,6 +47,9 @@ def insert_vector(
         "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
         (turn_id, user_id, blob, blob, session_id, int(indexed)),
     )
+    conn.execute(  # for the other processes on this database (proxy.store.changes)
+        "INSERT INTO changes(user_id, turn_id, kind) VALUES (?, ?, 'vector')", (user_id, turn_id)
+    )
     vec_cache.inserted(turn_id, user_id, session_id, indexed, vec)
 
 

@@ -71,6 +71,11 @@ Conventions the schema fixes (migration 1):
   scaffolding once per user by hash, ``turns.scaffold`` where a turn's pieces stood in its
   words, ``scaffold_sessions`` and ``paragraph_sightings`` which sessions sent what. Turns stored
   before keep their content whole (recall reads their words by shape).
+- Migration 15 (processes sharing one database, :mod:`proxy.store.changes`): ``changes`` logs,
+  by trigger in the changing transaction, the ids of what the in-memory search caches hold that
+  changed (``indexed``, ``vector``, ``changed``); the last ``CHANGES_KEEP`` rows are kept.
+- Migration 16 (jobs shared by those processes, :mod:`proxy.store.leases`): ``leases`` holds who
+  runs the background job on an item, until when.
 """
 
 from __future__ import annotations
@@ -320,6 +325,8 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (12, later.m012_scaffolds),
     (13, later.m013_corrections),
     (14, later.m014_browse_indexes),
+    (15, later.m015_changes),
+    (16, later.m016_leases),
 )
 """(version, function), ascending. Append only."""
 

@@ -201,3 +201,74 @@ def m014_browse_indexes(conn: Connection) -> None:
         CREATE INDEX turns_session_api ON turns(session_id, api) WHERE api IS NOT NULL;
         """,
     )
+
+
+CHANGES_KEEP = 65_536
+"""Rows of ``changes`` kept (migration 15): a process further behind reloads what it holds."""
+
+
+def m015_changes(conn: Connection) -> None:
+    """``changes``: the log through which processes sharing the database keep their in-memory
+    search caches in step (:mod:`proxy.store.changes`). Triggers write a row in the transaction
+    of each change those caches care about: a turn entering the full-text index (``indexed``),
+    a turn altered or deleted, or a session's ``indexed`` flipped (``changed``); vectors
+    (``vector``) are logged by :func:`proxy.store.indexing.insert_vector`, ``turn_vec`` being a
+    virtual table, which takes no trigger; ``turn_vec`` rebuilt logs a ``changed`` of every user
+    (``user_id`` NULL). Ids only, never text. ``AUTOINCREMENT``: a sequence
+    number is never reused once committed, so a gap below the oldest row means rows pruned."""
+    execute_script(
+        conn,
+        f"""
+        CREATE TABLE changes (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            user_id TEXT,  -- NULL: every user's
+            turn_id INTEGER,
+            kind TEXT NOT NULL CHECK (kind IN ('indexed', 'vector', 'changed'))
+        );
+        CREATE TRIGGER changes_turn_inserted AFTER INSERT ON turns WHEN new.fts_pending = 0
+        BEGIN
+            INSERT INTO changes(user_id, turn_id, kind) VALUES (new.user_id, new.id, 'indexed');
+        END;
+        CREATE TRIGGER changes_turn_indexed AFTER UPDATE OF fts_pending ON turns
+        WHEN old.fts_pending = 1 AND new.fts_pending = 0
+        BEGIN
+            INSERT INTO changes(user_id, turn_id, kind) VALUES (new.user_id, new.id, 'indexed');
+        END;
+        CREATE TRIGGER changes_turn_updated
+        AFTER UPDATE OF user_id, session_id, position, role, speaker, content, timestamp ON turns
+        BEGIN
+            INSERT INTO changes(user_id, turn_id, kind) VALUES (old.user_id, old.id, 'changed');
+            INSERT INTO changes(user_id, turn_id, kind)
+                SELECT new.user_id, new.id, 'changed' WHERE new.user_id IS NOT old.user_id;
+        END;
+        CREATE TRIGGER changes_turn_deleted AFTER DELETE ON turns
+        BEGIN
+            INSERT INTO changes(user_id, turn_id, kind) VALUES (old.user_id, old.id, 'changed');
+        END;
+        CREATE TRIGGER changes_session_indexed AFTER UPDATE OF indexed ON sessions
+        WHEN old.indexed IS NOT new.indexed
+        BEGIN
+            INSERT INTO changes(user_id, turn_id, kind) VALUES (new.user_id, NULL, 'changed');
+        END;
+        CREATE TRIGGER changes_pruned AFTER INSERT ON changes WHEN new.seq % 1024 = 0
+        BEGIN
+            DELETE FROM changes WHERE seq <= new.seq - {CHANGES_KEEP};
+        END;
+        """,
+    )
+
+
+def m016_leases(conn: Connection) -> None:
+    """``leases``: which process runs a background job on an item (a session's summary, a
+    sub-agent's hand-back, a request's consolidation) when several share the database
+    (:mod:`proxy.store.leases`); a lease its holder stops renewing expires."""
+    execute_script(
+        conn,
+        """
+        CREATE TABLE leases (
+            name TEXT PRIMARY KEY,
+            holder TEXT NOT NULL,
+            expires_at REAL NOT NULL
+        ) WITHOUT ROWID;
+        """,
+    )

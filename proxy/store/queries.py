@@ -10,6 +10,7 @@ full-text rows are in :mod:`proxy.store.indexing`.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -401,3 +402,14 @@ def stats(conn: Connection, path: Path | None) -> StoreStats:
 
 def now() -> float:
     return time.time()
+
+
+def shared_secret(conn: Connection, key: str, size: int = 32) -> bytes:
+    """A random secret kept in ``meta`` under ``key``, made by the first process that asks:
+    every process on the database (``--workers``, a restart) gets the same one."""
+    conn.execute(
+        "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING",
+        (key, secrets.token_hex(size)),
+    )
+    (value,) = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return bytes.fromhex(str(value))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search, term_cache, term_index, vec_cache, warm
+from proxy.store import changes, indexing, queries, search, term_cache, term_index, vec_cache, warm
 from proxy.store.db import Connection
 from proxy.store.scope import turn_rows
 from proxy.store.search import VecMode
@@ -36,6 +36,7 @@ class Searching:
 
     terms: term_cache.TermCache
     vectors: vec_cache.VectorCache
+    follower: changes.Follower
     loader: warm.Loader
     vec_dim: int | None
     _words: search.UserWordCounts
@@ -170,7 +171,7 @@ class Searching:
         roles: list[str],
     ) -> Ranked:
         mine = self._user_turn_count(c, user_id)
-        self.terms.written_elsewhere(c)  # another process imported: both caches reload
+        self.follower.catch_up(c)  # what other processes on the database changed
         found = self.terms.search(c, user_id, term_index.terms_of(match), limit,
             self._in_background, mine, self._fts_weights, session_ids=sessions,
             exclude_ids=excluded, exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
@@ -204,7 +205,7 @@ class Searching:
         # The exact plan in memory (store.vec_cache) whenever the user's vectors are held
         # there, however many; vec0's plans while they are not (or would not fit).
         count = self._user_turn_count(c, user_id)
-        self.terms.written_elsewhere(c)  # another process imported: both caches reload
+        self.follower.catch_up(c)  # what other processes on the database changed
         found = None if mode == "quantized" else self.vectors.search(user_id, vector, limit,
             self._in_background, count, session_ids=sessions, exclude_ids=excluded,
             exclude_sessions=skip, exclude_roles=roles)  # fmt: skip

@@ -51,7 +51,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import indexing, queries, search, term_cache, vec_cache, vectable, warm
+from proxy.store import changes, indexing, queries, search, term_cache, vec_cache, vectable, warm
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -99,7 +99,8 @@ class Store(Searching):
         self.vec_dim: int | None = None  # turn_vec's, read at open
         self._words = search.UserWordCounts()
         self.vectors = vec_cache.VectorCache(vec_memory)  # the exact KNN in numpy
-        self.terms = term_cache.TermCache(fts_memory, self.vectors.clear)  # BM25 in numpy
+        self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy
+        self.follower = changes.Follower(self.terms, self.vectors)  # other processes' writes
         self.loader = warm.Loader(self.path)  # loads those caches beside the readers
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
@@ -121,7 +122,8 @@ class Store(Searching):
             try:
                 migrate(conn)
                 vec_cache.install_triggers(conn)
-                term_cache.install_triggers(conn, self.terms)
+                term_cache.install_triggers(conn)
+                self.follower.install(conn)
                 self.vec_dim = vectable.table_dim(conn)
             except BaseException:
                 conn.close()
@@ -195,11 +197,28 @@ class Store(Searching):
         if writer is None:
             raise RuntimeError("store is not open")
 
+        follower = self.follower
+
+        def guarded(c: Connection) -> T:
+            try:
+                return fn(c)
+            except BaseException:
+                follower.write_ended(False)  # before the rollback hands its numbers out again
+                raise
+
         def job() -> T:
             conn = self._write_conn
             assert conn is not None
             # one transaction (or none); what it did to vectors and terms is then applied
-            return self.terms.run_write(conn, lambda c: self.vectors.run_write(c, fn, transaction))
+            ok = False
+            try:
+                result = self.terms.run_write(
+                    conn, lambda c: self.vectors.run_write(c, guarded, transaction)
+                )
+                ok = True
+                return result
+            finally:
+                follower.write_ended(ok)
 
         future = asyncio.wrap_future(writer.submit(job))
         return await asyncio.shield(future)

@@ -29,7 +29,9 @@ and appended to the users held. Anything else that changes a held user's rows (a
 session, position, role, speaker or time updated, a turn deleted, a session's ``indexed``
 flipped) drops the user, loaded again in the background by a later search, which meanwhile
 asks FTS5. A turn still ``fts_pending`` is in no neighbour's ``ctx`` here until it is indexed
-(FTS5 may hold it there already): the two agree once the indexer has caught up.
+(FTS5 may hold it there already): the two agree once the indexer has caught up. What other
+processes on the same database change arrives through the ``changes`` log
+(:mod:`proxy.store.changes`): appended (:meth:`TermCache.append`) or dropped alike.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ LOAD_NOW_ROWS = 2_000
 """A user of up to this many turns is loaded by the search that finds it not held (about 0.2 s
 at most, once), so its ranking does not change when the load completes; a larger one in the
 background, FTS5 answering meanwhile."""
-_ALL = "\0all"
 
 T = TypeVar("T")
 
@@ -82,17 +83,13 @@ def _note(added: tuple[int, str] | None = None, user: str | None = None) -> None
         changes.users.add(user)
 
 
-def install_triggers(conn: Connection, cache: TermCache) -> None:
-    """Temporary triggers (this connection only) that note turns entering the full-text index,
-    the changes that drop a user, and the highest turn id this process inserted."""
+def install_triggers(conn: Connection) -> None:
+    """Temporary triggers (this connection only) that note turns entering the full-text index
+    and the changes that drop a user."""
     conn.create_function("engram_terms_added", 2, lambda i, u: _note(added=(int(i), str(u))))
     conn.create_function("engram_terms_changed", 1, lambda u: _note(user=str(u)))
-    conn.create_function("engram_terms_mine", 1, cache.inserted)
-    cache.inserted(conn.execute("SELECT coalesce(max(id), 0) FROM turns").fetchone()[0])
     conn.executescript(
         """
-        CREATE TEMP TRIGGER IF NOT EXISTS engram_terms_mine AFTER INSERT ON main.turns
-        BEGIN SELECT engram_terms_mine(new.id); END;
         CREATE TEMP TRIGGER IF NOT EXISTS engram_terms_insert AFTER INSERT ON main.turns
         WHEN new.fts_pending = 0 BEGIN SELECT engram_terms_added(new.id, new.user_id); END;
         CREATE TEMP TRIGGER IF NOT EXISTS engram_terms_indexed
@@ -116,38 +113,14 @@ def install_triggers(conn: Connection, cache: TermCache) -> None:
 class TermCache:
     """Per-user full-text indexes in memory (see the module docstring). Thread-safe."""
 
-    def __init__(self, max_bytes: int = MAX_BYTES, also: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._also_drop = also  # what else to drop when another process wrote
         self._users: OrderedDict[str, TermIndex] = OrderedDict()
         self._loading: dict[str, list[int]] = {}
         self._scheduled: set[str] = set()
         self._lock = threading.Lock()
         self.loads = 0
-        self._mine = 0  # the highest turn id this process inserted (or found at start)
         self.closing = False  # set when the store closes: a load in flight stops
-
-    def inserted(self, turn_id: int) -> None:
-        """This process inserted (or, at start, found) turn ``turn_id`` (writer thread, before
-        the commit, so a reader never sees one of ours above it)."""
-        self._mine = max(self._mine, int(turn_id))
-
-    def written_elsewhere(self, conn: Connection) -> bool:
-        """Whether another process (``engram import`` beside the server) inserted turns since
-        the last check: a turn id above the highest of ours. Everyone held is then dropped (and
-        ``also`` called: the vector cache), loaded again with them by later searches (a reader
-        thread; one indexed lookup). A turn another server process archives for later indexing
-        (``fts_pending``) is seen when inserted, not when indexed: searchable here from the
-        next reload after that. After a rolled-back insert of ours, another process's turn may
-        take an id we had and go unseen until the next reload."""
-        top = int(conn.execute("SELECT coalesce(max(id), 0) FROM turns").fetchone()[0])
-        with self._lock:
-            if top <= self._mine:
-                return False
-            self._mine = top
-        self.drop(_ALL)
-        self._also_drop()
-        return True
 
     # -- writer thread --------------------------------------------------------------------
     def run_write(self, conn: Connection, fn: Callable[[Connection], T]) -> T:
@@ -172,12 +145,17 @@ class TermCache:
             changes.added = []
         for user in changes.users:
             self.drop(user)
+        self.append(conn, changes.added)
+
+    def append(self, conn: Connection, turns: Sequence[tuple[int, str]]) -> None:
+        """Add (turn id, user) just indexed to the users held or loading (the writer after its
+        commit; a reader for another process's, :mod:`proxy.store.changes`)."""
         with self._lock:
             wanted = set(self._users) | set(self._loading)
-        added = [i for i, user in changes.added if user in wanted]
+        added = [i for i, user in turns if user in wanted]
         if not added:
             return
-        owner = dict(changes.added)
+        owner = dict(turns)
         by_user: dict[str, list[tuple[Any, ...]]] = {}
         for row in conn.execute(
             TURNS_SQL + ", (SELECT value FROM json_each(?)) a WHERE t.id = a.value ORDER BY t.id",
@@ -300,12 +278,13 @@ class TermCache:
     # -- both -----------------------------------------------------------------------------
     def drop(self, user_id: str) -> None:
         with self._lock:
-            if user_id == _ALL:
-                self._users.clear()
-                self._loading.clear()
-                return
             self._users.pop(user_id, None)
             self._loading.pop(user_id, None)  # the load in flight is thrown away
+
+    def clear(self) -> None:
+        with self._lock:
+            self._users.clear()
+            self._loading.clear()
 
     def _evict(self) -> None:
         total = sum(ix.nbytes for ix in self._users.values())

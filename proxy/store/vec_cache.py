@@ -3,8 +3,8 @@
 vec0's exact KNN reads every vector of the user's partition from SQLite's pages for each query
 (5-6 ms for 10,000 MiniLM vectors on a 2-core machine); a float32 matrix product over the same
 vectors takes about 0.3 ms. :class:`VectorCache` keeps, per user, the rows of ``turn_vec``
-(turn id, vector, session, ``indexed``) with the turn's role, and answers
-:meth:`VectorCache.knn` with the rows vec0's exact plan returns (cosine distance, nearest first,
+(turn id, vector, session, ``indexed``) with the turn's role, and answers searches with
+:func:`proxy.store.knn.knn`: the rows vec0's exact plan returns (cosine distance, nearest first,
 ties by turn id; filtered before the cut, as :func:`proxy.store.search.vec_search` does). It
 serves the exact plan, and in ``auto`` mode every user it holds, however many vectors (the
 quantised plan is then only for a user not held yet, or too large to hold).
@@ -20,7 +20,10 @@ Coherence, in the writer thread (:class:`~proxy.store.store.Store` wraps every w
   ``UPDATE turn_vec`` elsewhere calls :func:`changed`: the user (or everyone) is dropped and
   loaded again, in the background, by the next search, which meanwhile uses vec0.
 
-Code that changes ``turn_vec`` some other way must call :func:`changed`.
+Code that changes ``turn_vec`` some other way must call :func:`changed` (and log the change
+for other processes: :mod:`proxy.store.changes`, whose rows are applied the same way through
+:meth:`VectorCache.append_stored`). Appending a vector the user's rows hold already for that
+turn is a no-op; a different one drops the user (a replaced vector).
 
 A user is loaded (one read, about 0.1-0.2 s per 10,000 vectors) on a reader thread in the
 background; inserts that commit meanwhile are applied once it is in. Users beyond ``max_bytes``
@@ -39,7 +42,8 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.store.db import Connection
-from proxy.store.scope import Codes, claim_load, in_scope
+from proxy.store.knn import knn
+from proxy.store.scope import Codes, claim_load
 from proxy.vectors import Vector, as_vector
 
 MAX_BYTES = 256 * 1024 * 1024
@@ -206,7 +210,26 @@ class VectorCache:
             return
         for user in changes.users:
             self.drop(user)
-        rows = [r for r in changes.rows if r[1] in users and r[1] not in changes.users]
+        self._append(conn, [r for r in changes.rows if r[1] in users and r[1] not in changes.users])
+
+    def append_stored(self, conn: Connection, turns: Sequence[tuple[int, str]]) -> None:
+        """Add the vectors stored for (turn id, user) to the users held or loading, read from
+        ``turn_vec`` (a reader, for another process's writes: :mod:`proxy.store.changes`)."""
+        with self._lock:
+            users = set(self._users) | set(self._loading)
+        rows: list[tuple[int, str, str, bool, Vector]] = []
+        for turn_id, user in turns:
+            if user not in users:
+                continue
+            row = conn.execute(
+                "SELECT user_id, session_id, indexed, embedding FROM turn_vec WHERE turn_id = ?",
+                (turn_id,),
+            ).fetchone()
+            if row is not None and row[0] == user:  # gone meanwhile: its deletion drops
+                rows.append((turn_id, user, str(row[1]), bool(row[2]), _vector(row[3])))
+        self._append(conn, rows)
+
+    def _append(self, conn: Connection, rows: Sequence[tuple[int, str, str, bool, Vector]]) -> None:
         if not rows:
             return
         roles = _roles(conn, [r[0] for r in rows])
@@ -223,10 +246,12 @@ class VectorCache:
                 base = self._users.get(user)
                 if base is None:
                     continue
-                if any(i[0] in base.held for i in items):  # a replaced vector
+                fresh = _not_held(items, base)
+                if fresh is None:  # a replaced vector
                     del self._users[user]
                     continue
-                self._users[user] = _rows_of(items, base, base.matrix.shape[1])
+                if fresh:
+                    self._users[user] = _rows_of(fresh, base, base.matrix.shape[1])
 
     # -- readers --------------------------------------------------------------------------
     def get(self, user_id: str) -> _Rows | None:
@@ -253,23 +278,19 @@ class VectorCache:
                 " FROM turn_vec v JOIN turns t ON t.id = v.turn_id WHERE v.user_id = ?",
                 (user_id,),
             ).fetchall()
-            items = [
-                (int(r[0]), str(r[1]), str(r[2]), bool(r[3]), np.frombuffer(r[4], "<f4"))
-                for r in rows
-            ]
+            items = [(int(r[0]), str(r[1]), str(r[2]), bool(r[3]), _vector(r[4])) for r in rows]
             if items:
                 built = _rows_of(items, None, len(items[0][4]))
         finally:
             with self._lock:
                 self._scheduled.discard(user_id)
                 pending = self._loading.pop(user_id, None)
-                if (
-                    built is not None
-                    and pending is not None
-                    and not any(p[0] in built.held for p in pending)
-                ):
-                    if pending:
-                        built = _rows_of(pending, built, built.matrix.shape[1])
+                fresh = (
+                    _not_held(pending, built) if built is not None and pending is not None else None
+                )
+                if built is not None and fresh is not None:
+                    if fresh:
+                        built = _rows_of(fresh, built, built.matrix.shape[1])
                     self._users[user_id] = built
                     self.loads += 1
                     self._evict()
@@ -343,75 +364,24 @@ class VectorCache:
             total -= gone.nbytes
 
 
-def knn(
-    rows: _Rows,
-    vec: Vector,
-    limit: int,
-    *,
-    session_ids: Sequence[str] | None,
-    exclude_ids: Sequence[int],
-    exclude_sessions: Sequence[str],
-    exclude_roles: Sequence[str],
-) -> list[tuple[int, float]]:
-    """(turn id, cosine distance) nearest first, as vec0's exact KNN with the same filters."""
-    n = rows.n
-    if limit <= 0 or n == 0:
-        return []
-    q = as_vector(vec)
-    if q.shape[0] != rows.matrix.shape[1]:
-        raise ValueError(f"vectors must have {rows.matrix.shape[1]} dimensions")
-    live = np.flatnonzero(
-        in_scope(rows, n, session_ids, exclude_ids, exclude_sessions, exclude_roles)
-    )
-    if live.size == 0:
-        return []
-    # einsum, not BLAS: a threaded BLAS matrix-vector product measured 4-8 ms on a busy 2-core
-    # machine, einsum's own loop 0.6 ms.
-    # A few rows in scope (a sub-agent's session) are gathered first; otherwise every row's
-    # product is taken and the live ones picked: gathering most of a 100,000-row matrix copied
-    # it (87 ms), the whole product then the pick is 18 ms, with the same values.
-    if live.size * GATHER_BELOW < n:
-        dots = np.einsum("ij,j->i", rows.matrix[live], q)
-    else:
-        dots = np.einsum("ij,j->i", rows.matrix[:n], q)
-        if live.size < n:
-            dots = dots[live]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rough = 1.0 - dots / (rows.norms[live] * np.float32(np.sqrt(np.dot(q, q))))
-    rough = np.nan_to_num(rough, nan=1.0, posinf=1.0, neginf=1.0)
-    k = min(limit, live.size)
-    if k < live.size:
-        cut = np.partition(rough, k - 1)[k - 1]
-        near = np.flatnonzero(rough <= cut + ROUGH_MARGIN)
-    else:
-        near = np.arange(live.size)
-    exact = vec0_cosine_distance(rows.matrix[live[near]], q)
-    ids = rows.ids[live[near]]
-    order = np.lexsort((ids, exact))[:k]
-    return [(int(ids[i]), float(exact[i])) for i in order]
+def _vector(blob: bytes) -> Vector:
+    return np.frombuffer(blob, "<f4")
 
 
-GATHER_BELOW = 4
-"""Rows in scope under 1/GATHER_BELOW of the user's: their product is taken on a copy of them."""
-ROUGH_MARGIN = 1e-4
-"""The fast product picks every row within this of the k-th distance; those are then measured
-as vec0 measures (float32 sums in order), so the order and the distances are vec0's."""
-
-
-def vec0_cosine_distance(
-    matrix: npt.NDArray[np.float32], q: npt.NDArray[np.float32]
-) -> npt.NDArray[np.float32]:
-    """sqlite-vec's ``distance_cosine_float`` for each row: float32 sums of products taken in
-    order, then ``1 - dot / (sqrt(|a|^2) * sqrt(|b|^2))`` in double, returned as float32."""
-    if len(matrix) == 0:
-        return np.zeros(0, np.float32)
-    dot = np.cumsum(matrix * q, axis=1, dtype=np.float32)[:, -1].astype(np.float64)
-    a = np.cumsum(matrix * matrix, axis=1, dtype=np.float32)[:, -1].astype(np.float64)
-    b = float(np.cumsum(q * q, dtype=np.float32)[-1])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = 1.0 - dot / (np.sqrt(a) * np.sqrt(b))
-    result: npt.NDArray[np.float32] = out.astype(np.float32)
-    return result
+def _not_held(
+    items: Sequence[tuple[int, str, str, bool, Vector]], rows: _Rows
+) -> list[tuple[int, str, str, bool, Vector]] | None:
+    """Those of ``items`` whose turn ``rows`` does not hold; None when one it holds has another
+    vector (replaced: the rows are stale). One it holds with the same vector is skipped: a
+    load that read it already, or another process's log naming what this one applied."""
+    fresh = []
+    for item in items:
+        i = rows.held.get(item[0])
+        if i is None:
+            fresh.append(item)
+        elif not np.array_equal(rows.matrix[i], as_vector(item[4])):
+            return None
+    return fresh
 
 
 def _roles(conn: Connection, ids: Sequence[int]) -> dict[int, str]:

@@ -25,6 +25,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from proxy.store import vec_cache
 from proxy.store.db import Connection
 from proxy.store.rows import json_list
 from proxy.vectors import Vector, from_blob, to_blob
@@ -107,6 +108,9 @@ def vector_count(conn: Connection) -> int:
 def _recreate(conn: Connection, dim: int) -> None:
     conn.execute("DROP TABLE turn_vec")
     conn.execute(vec_table_sql(dim))
+    # every process's vectors go (proxy.store.changes; this one's: vec_cache's journal)
+    conn.execute("INSERT INTO changes(user_id, turn_id, kind) VALUES (NULL, NULL, 'changed')")
+    vec_cache.changed(None)
 
 
 def claim_model(conn: Connection, name: str, dim: int | None) -> bool:

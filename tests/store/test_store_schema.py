@@ -125,7 +125,14 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "users_ad_slots",
         "users_ad_slot_sessions",
         "users_ad_scaffolds",
+        "changes_turn_inserted",
+        "changes_turn_indexed",
+        "changes_turn_updated",
+        "changes_turn_deleted",
+        "changes_session_indexed",
+        "changes_pruned",
     }
+    assert _columns(conn, "changes") == ["seq", "user_id", "turn_id", "kind"]
     assert {"requests", "feedback", "consolidation_queue", "counters"} <= tables
     fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(requests)")}
     assert ("sessions", "session_id", "CASCADE") in fks and ("users", "user_id", "CASCADE") in fks
