@@ -10,11 +10,10 @@ process's p50 and p95, errors, and the processes' CPU per request (every thread,
 ``/proc``, over the measured seconds). Rounds alternate 1 and N processes so that the machine's
 drift falls on both.
 
-This measures the ceiling, not a feature: Engram does not yet keep several processes' caches
-coherent (its in-memory BM25 and vector caches follow the writer connection of their own
-process), so with memory ``on`` process B's searches miss what process A stored, and every
-process's background jobs run on their own. ``read-only`` (recall, nothing archived) is what
-they can share correctly today.
+``--layout workers``: one ``engram serve --workers N`` instead (N processes on one port,
+``SO_REUSEPORT``; the clients all on that port, CPU summed over the supervisor and its
+workers). The processes keep their caches in step through the database's ``changes`` log
+(``proxy/store/changes.py``) and share background jobs by lease.
 """
 
 from __future__ import annotations
@@ -36,6 +35,16 @@ from bench.memory_load import Questions, cached_db, chat, cpu_seconds, load
 from bench.retrieval import serving
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU time of ``pid`` and of its children (a ``--workers`` supervisor's workers)."""
+    total = cpu_seconds(pid)
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return total + sum(cpu_seconds(int(c)) for c in children)
+
+
 async def cell(
     http: aiohttp.ClientSession,
     urls: list[str],
@@ -44,8 +53,10 @@ async def cell(
     mode: str,
     clients: int,
     seconds: float,
+    workers: int = 0,
 ) -> dict[str, Any]:
-    """``clients`` closed-loop clients over ``urls`` (client i on url i mod N)."""
+    """``clients`` closed-loop clients over ``urls`` (client i on url i mod N); ``workers``:
+    the processes behind the one url of ``--layout workers``."""
     times: list[list[float]] = [[] for _ in urls]
     errors = 0
     warm_until = time.perf_counter() + min(2.0, seconds / 5)
@@ -66,14 +77,15 @@ async def cell(
 
     async def meter() -> None:
         await asyncio.sleep(max(0.0, warm_until - time.perf_counter()))
-        cpu.append(sum(cpu_seconds(p) for p in pids))
+        cpu.append(sum(tree_cpu(p) for p in pids))
         await asyncio.sleep(max(0.0, stop - time.perf_counter()))
-        cpu.append(sum(cpu_seconds(p) for p in pids))
+        cpu.append(sum(tree_cpu(p) for p in pids))
 
     await asyncio.gather(meter(), *(client(i) for i in range(clients)))
     n = sum(len(t) for t in times)
     return {
-        "processes": len(urls),
+        "processes": workers or len(urls),
+        "layout": "workers" if workers else "processes",
         "mode": mode,
         "clients": clients,
         "req_s": n / seconds,
@@ -99,12 +111,19 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 shutil.copyfile(source, db)
                 pids: list[int] = []
                 async with contextlib.AsyncExitStack() as stack:
-                    urls = [
-                        await stack.enter_async_context(
-                            serving(db, Path(tmp) / f"serve-{i}.log", pids=pids)
-                        )
-                        for i in range(n)
-                    ]
+                    if args.layout == "workers":
+                        flags = ["--workers", str(n)]
+                        log_path = Path(tmp) / "serve.log"
+                        serve = serving(db, log_path, pids=pids, extra_args=flags)
+                        urls = [await stack.enter_async_context(serve)]
+                    else:
+                        urls = [
+                            await stack.enter_async_context(
+                                serving(db, Path(tmp) / f"serve-{i}.log", pids=pids)
+                            )
+                            for i in range(n)
+                        ]
+                    workers = n if args.layout == "workers" else 0
                     http = await stack.enter_async_context(
                         aiohttp.ClientSession(
                             timeout=aiohttp.ClientTimeout(total=120),
@@ -116,7 +135,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         for url in urls:
                             await chat(http, url, "read-only", qs.next())
                     for mode in args.modes:
-                        row = await cell(http, urls, pids, qs, mode, args.clients, args.seconds)
+                        row = await cell(
+                            http, urls, pids, qs, mode, args.clients, args.seconds, workers
+                        )
                         rows.append(row)
                         print(f"{n} process(es), {mode}: {row['req_s']:.1f} req/s", flush=True)
     return rows
@@ -126,13 +147,14 @@ def report(rows: list[dict[str, Any]], seconds: float) -> str:
     lines = [
         f"closed loop, {seconds:g} s per cell, 10,000 turns stored, a new chat per question",
         "",
-        "| processes | memory | clients | req/s | p50 | p95 | errors | CPU / request | "
+        "| processes | layout | memory | clients | req/s | p50 | p95 | errors | CPU / request | "
         "load 1/5/15 (start -> end) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['processes']} | {r['mode']} | {r['clients']} | {r['req_s']:.1f} | "
+            f"| {r['processes']} | {r['layout']} | {r['mode']} | {r['clients']} | "
+            f"{r['req_s']:.1f} | "
             f"{r['p50']:.0f} ms | {r['p95']:.0f} ms | {r['errors']} | "
             f"{r['cpu_per_request']:.1f} ms | {r['load']} |"
         )
@@ -150,6 +172,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="times over --processes")
     parser.add_argument("--warmup-seconds", type=float, default=5.0)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="vectors and DBs")
+    parser.add_argument(
+        "--layout",
+        choices=("processes", "workers"),
+        default="processes",
+        help="N serve processes on their own ports, or one serve --workers N",
+    )
     args = parser.parse_args()
     args.processes = [int(n) for n in args.processes.split(",") if n]
     args.modes = [m for m in args.modes.split(",") if m]

@@ -264,10 +264,12 @@ async def serving(
     log_path: Path,
     extra_env: dict[str, str] | None = None,
     pids: list[int] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> AsyncIterator[str]:
     """``python -m proxy serve`` on ``db`` in front of ``python -m testing.fake_upstream``, both
     subprocesses; yields Engram's URL once it answers its health check. ``pids``: Engram's
-    process id is appended there (to read its CPU time)."""
+    process id is appended there (to read its CPU time). ``extra_args``: more ``serve`` flags
+    (``--workers 2``)."""
     procs: list[asyncio.subprocess.Process] = []
     env = {**os.environ, "ENGRAM_SERVER_LOG_LEVEL": "warning", **(extra_env or {})}
     with log_path.open("wb") as log:
@@ -285,7 +287,7 @@ async def serving(
             port = _free_port()
             engram = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", "serve", "--upstream", upstream,
-                "--host", "127.0.0.1", "--port", str(port), "--db", str(db),
+                "--host", "127.0.0.1", "--port", str(port), "--db", str(db), *extra_args,
                 cwd=ROOT, stdout=log, stderr=log, env=env,
             )  # fmt: skip
             procs.append(engram)

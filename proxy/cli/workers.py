@@ -11,8 +11,9 @@ conversation's prompts stay byte-identical whichever worker serves it.
 
 The supervisor forwards SIGTERM and SIGINT to the workers and waits for them (each finishes
 its requests as one process would); a worker that dies later is started again after
-:data:`RESTART_DELAY_S`; one that fails in its first :data:`STARTUP_S` seconds stops them all
-(a bad config, a busy port) and its exit status is the command's. The bundled tiny model is
+:data:`RESTART_DELAY_S`; one that exits with an error status in its first :data:`STARTUP_S`
+seconds (a bad config, a busy port; not one killed by a signal) stops them all, and its exit
+status is the command's. The bundled tiny model is
 not started under workers (each would start its own): name an upstream.
 """
 
@@ -106,7 +107,7 @@ class Supervisor:
                     continue
                 if self.stopping:
                     continue
-                if time.monotonic() - self.started[number] < STARTUP_S and rc != 0:
+                if time.monotonic() - self.started[number] < STARTUP_S and rc > 0:
                     log.error("worker %d failed to start (exit %d): stopping", number, rc)
                     status = rc
                     self._signal(signal.SIGTERM, None)

@@ -1,0 +1,180 @@
+"""Several ``engram serve`` processes on one database (issue 25's ``--workers`` on SQLite): real
+processes, a real fake upstream, the official HTTP path.
+
+- Two servers on one file, each conversation's turns alternating between them: one session
+  per conversation, every message stored once and in order, and a fact told through one
+  recalled through the other (its search caches follow the other's writes: proxy/store/changes).
+- ``engram serve --workers 2``: one port, two workers; a worker killed is started again; SIGTERM
+  stops them all; a port of 0 is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.store import Store
+from testing.fake_upstream import FakeUpstream
+from tests.proxy.test_serve import start_serve
+
+pytestmark = pytest.mark.asyncio
+
+FACT = "my sister's tortoise is called Zanzibar and she eats dandelions"
+
+
+def children(pid: int) -> set[int]:
+    try:
+        return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except OSError:
+        return set()
+
+
+async def stop(proc: asyncio.subprocess.Process) -> int:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+    return await proc.wait()
+
+
+async def chat(
+    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], **headers: str
+) -> tuple[str, str]:
+    """(the reply's text, the session it went to: "" for a read-only request)."""
+    body = {"model": "m", "messages": messages}
+    async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        data: Any = await r.json()
+        assert r.status == 200, data
+        return data["choices"][0]["message"]["content"], r.headers.get("X-Engram-Session", "")
+
+
+async def test_two_servers_on_one_database_serve_alternating_turns_as_one(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "engram.db"
+    async with FakeUpstream() as fake:
+        a, url_a = await start_serve("--upstream", fake.url, "--db", str(db), wait_s=30)
+        b, url_b = await start_serve("--upstream", fake.url, "--db", str(db), wait_s=30)
+        try:
+            async with aiohttp.ClientSession() as http:
+
+                async def conversation(c: int) -> tuple[str, list[str]]:
+                    msgs: list[dict[str, str]] = []
+                    sessions = []
+                    for k in range(4):
+                        said = FACT if (c, k) == (0, 0) else f"conversation {c} says thing {k}"
+                        msgs.append({"role": "user", "content": said})
+                        url = (url_a, url_b)[(c + k) % 2]  # every turn through the other one
+                        reply, session = await chat(http, url, msgs)
+                        msgs.append({"role": "assistant", "content": reply})
+                        sessions.append(session)
+                    assert len(set(sessions)) == 1, sessions
+                    return sessions[0], [m["content"] for m in msgs]
+
+                done = await asyncio.gather(*(conversation(c) for c in range(12)))
+                # the fact went in through A (conversation 0, turn 0); B recalls it
+                question = [{"role": "user", "content": "What is my sister's tortoise called?"}]
+                t0, recalled = time.monotonic(), False
+                while not recalled and time.monotonic() - t0 < 15:
+                    await chat(http, url_b, question, **{"X-Engram-Memory": "read-only"})
+                    recalled = "Zanzibar" in fake.chat_requests()[-1].body.decode()
+                    await asyncio.sleep(0.2)
+                assert recalled, "B never recalled what was told through A"
+        finally:
+            assert await stop(a) == 0 and await stop(b) == 0
+    async with Store(db) as store:
+        sessions = {s.id: s for s in await store.list_sessions("default")}
+        assert len(sessions) == 12  # one per conversation, and none for the read-only question
+        for session_id, said in done:
+            turns = await store.session_turns(session_id)
+            assert [t.content for t in turns if t.role != "system"] == said  # once, in order
+
+
+async def test_workers_share_a_port_and_a_killed_worker_is_started_again(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "engram.db"
+    async with FakeUpstream() as fake:
+        proc, url = await start_serve(
+            "--upstream", fake.url, "--db", str(db), "--workers", "2", wait_s=60
+        )
+        try:
+            t0 = time.monotonic()
+            while len(first := children(proc.pid)) < 2:
+                assert time.monotonic() - t0 < 30, "the workers never started"
+                await asyncio.sleep(0.1)
+            assert len(first) == 2
+
+            async def burst(n: int) -> None:
+                connector = aiohttp.TCPConnector(force_close=True)  # a new connection each
+                async with aiohttp.ClientSession(connector=connector) as http:
+                    for i in range(n):
+                        msgs = [{"role": "user", "content": f"burst message {i} at {time.time()}"}]
+                        await chat(http, url, msgs)
+
+            cpu = {p: _cpu(p) for p in first}
+            await burst(30)
+            assert all(_cpu(p) > cpu[p] for p in first), "one worker served nothing"
+            victim = min(first)
+            os.kill(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 30:
+                now = children(proc.pid)
+                if len(now) == 2 and victim not in now:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError(f"the killed worker was not replaced: {children(proc.pid)}")
+            async with aiohttp.ClientSession() as http:  # the new one serves: health answers
+                t0 = time.monotonic()
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(url + "/engram/health") as r:
+                            if r.status == 200:
+                                break
+                    assert time.monotonic() - t0 < 30
+                    await asyncio.sleep(0.1)
+            await burst(10)
+            workers = children(proc.pid)
+        finally:
+            rc = await stop(proc)
+        assert rc == 0
+        assert not any(alive(p) for p in workers)
+
+
+async def test_workers_refuse_a_port_of_zero(tmp_path: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--port", "0", "--workers", "2",
+        "--db", str(tmp_path / "e.db"), "--upstream", "http://127.0.0.1:9",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert b"needs a fixed port" in out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _cpu(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
