@@ -93,6 +93,10 @@ class SizedLRU(Generic[K, V]):
         self.size -= found[1]
         return found[0]
 
+    def clear(self) -> None:
+        self._data.clear()
+        self.size = 0
+
     def __contains__(self, key: object) -> bool:
         return key in self._data
 

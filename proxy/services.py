@@ -12,6 +12,7 @@ The app keeps the result in one key, :data:`SERVICES`; nothing else is global.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -41,6 +42,7 @@ from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_e
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
 from proxy.store import queries
+from proxy.store.changes import Deleted
 from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
 from proxy.store.warm import cache_split
@@ -50,6 +52,8 @@ from proxy.upstream import Upstream, UpstreamInfo, detect
 
 log = logging.getLogger("engram.services")
 
+FOLLOW_EVERY = 1.0
+"""Seconds between two reads of the changes log when no search reads it (proxy.store.changes)."""
 FENCE_SECRET_KEY = "fence_secret"
 """The ``meta`` key of the memory block's tag secret (shared by every process on the database)."""
 FTS_ONLY_HINT = (
@@ -211,7 +215,22 @@ def _loops(s: Services) -> list[asyncio.Task[None]]:
         loops.append(every(interval, s.consolidator.scheduled_pass, "consolidation pass"))
     if s.counters is not None:
         loops.append(every(FLUSH_EVERY, s.counters.flush, "saving the token counters"))
+    if s.parts is not None:  # other processes' writes, between searches (proxy.store.changes)
+        loops.append(every(FOLLOW_EVERY, s.parts.store.follow, "following other processes"))
     return loops
+
+
+def _forget_views(memory: MemoryService, deleted: Deleted | None) -> None:
+    """Another process deleted these turns (None: perhaps any): the views of them go, as
+    :func:`proxy.api.effects.after` does for a forget in this process."""
+    if deleted is None:
+        memory.recent.clear()
+        memory.last_requests.clear()
+        return
+    for user, (sessions, turns) in deleted.items():
+        for sid in sessions:
+            memory.last_requests.pop(sid)
+        memory.recent.drop(user, tuple(sessions), turns=turns)
 
 
 async def _open_memory(
@@ -259,6 +278,13 @@ async def _open_memory(
     memory.rewriter.fence_secret = await store.write(
         lambda c: queries.shared_secret(c, FENCE_SECRET_KEY)
     )
+    loop = asyncio.get_running_loop()
+
+    def deleted_elsewhere(deleted: Deleted | None) -> None:  # a reader thread
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to forget
+            loop.call_soon_threadsafe(_forget_views, memory, deleted)
+
+    store.follower.on_deleted = deleted_elsewhere
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")
     # The recent users' terms and vectors into memory before they ask (store.warm).

@@ -9,6 +9,7 @@ from collections import Counter
 from aiohttp import web
 
 from proxy import __version__
+from proxy.cli.workers import worker_number
 from proxy.masking import display_url
 from proxy.redact import redact
 from proxy.services import SERVICES
@@ -35,6 +36,7 @@ async def health(request: web.Request) -> web.Response:
                 "context_size": info.context_size,
             },
             "background_tasks": len(services.tasks),
+            "worker": worker_number(),  # of `engram serve --workers N`; null: the only process
             # Where new tool-result slots go ("embedded" also while a configured Redis is down).
             "slots": services.slots.backend if services.slots is not None else None,
         }
@@ -85,6 +87,12 @@ async def metrics(request: web.Request) -> web.Response:
                 values[f"engram_{name}_total"] = value
         if services.consolidator is not None:
             values["engram_facts_stored_total"] = services.consolidator.facts_stored
+        # other processes on the database (--workers, engram import): proxy.store.changes
+        follower = memory.store.follower
+        values["engram_changes_applied_total"] = follower.applied
+        values["engram_changes_cleared_total"] = follower.cleared
+        if memory.summarizer is not None:
+            values["engram_leases_refused_total"] = memory.summarizer.leases.refused
     expander = pipeline.expander
     if expander is not None:
         for name in ("round_trips", "expanded", "expired"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from proxy.chat.prompt import Assembly
@@ -125,22 +125,35 @@ class RecentRequests:
         mine = [v for v, _ in reversed(self._views.values()) if v.user == user]
         return mine[offset : offset + limit], len(mine)
 
-    def drop(self, user: str, sessions: Sequence[str] = (), turn: int | None = None) -> int:
-        """Forget the views of ``sessions``, or those that showed ``turn``, or (neither given)
-        all of the user's; how many went."""
+    def drop(
+        self,
+        user: str,
+        sessions: Sequence[str] = (),
+        turn: int | None = None,
+        *,
+        turns: Collection[int] = (),
+    ) -> int:
+        """Forget the views of ``sessions``, or those that showed ``turn`` (or any of
+        ``turns``), or (none given) all of the user's; how many went."""
+        shown = {turn, *turns} - {None}
         gone = [
             k
             for k, (v, _) in self._views.items()
             if v.user == user
             and (
-                (not sessions and turn is None)
+                (not sessions and not shown)
                 or v.session in sessions
-                or (turn is not None and turn in v.injected)
+                or (shown and not shown.isdisjoint(v.injected))
             )
         ]
         for k in gone:
             self._pop(k)
         return len(gone)
+
+    def clear(self) -> None:
+        """Forget every view (another process deleted what they showed, not saying which)."""
+        self._views.clear()
+        self.size = 0
 
     def percentiles(self) -> tuple[float | None, float | None]:
         """p50 and p95 of the recent memory-stage times (ms)."""

@@ -11,10 +11,14 @@ about, a trigger (or :func:`proxy.store.indexing.insert_vector`) logs a row of i
 - ``vector``: a turn's vector was stored: appended to the user's vectors, if held (a vector
   that differs from the one held for that turn drops the user: it was replaced);
 - ``changed``: anything else that alters a user's rows (a turn's text, place or time updated,
-  a turn deleted, a session's ``indexed`` flipped; ``user_id`` NULL: ``turn_vec`` rebuilt, every
-  user): the user is dropped from both caches and loaded again by a later search.
+  a session's ``indexed`` flipped; ``user_id`` NULL: ``turn_vec`` rebuilt, every user): the user
+  is dropped from both caches and loaded again by a later search;
+- ``deleted``: a turn deleted (forgotten), with its session: dropped alike, and
+  :attr:`Follower.on_deleted` is told, so that the server's other in-memory views of it (the
+  inspector's recent requests and last prompts) go as they do for a forget in this process.
 
-:meth:`Follower.catch_up` runs on a reader thread before each search: it reads the rows past
+:meth:`Follower.catch_up` runs on a reader thread before each search (and every second,
+:meth:`proxy.store.store.Store.follow`): it reads the rows past
 the last it saw (one indexed range read; usually none or a few) and applies the foreign ones,
 so a turn another process indexed is searchable here at the next search, without a reload.
 This process's own rows are skipped: a temporary trigger on the writer connection notes each
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from proxy.store.db import Connection
 from proxy.store.term_cache import TermCache
@@ -42,7 +46,9 @@ from proxy.store.vec_cache import VectorCache
 BATCH = 4096
 """Rows applied in one catch-up; a process further behind clears its caches instead."""
 
-_SQL = "SELECT seq, user_id, turn_id, kind FROM changes WHERE seq > ? ORDER BY seq LIMIT ?"
+_SQL = (
+    "SELECT seq, user_id, turn_id, kind, session_id FROM changes WHERE seq > ? ORDER BY seq LIMIT ?"
+)
 
 
 class Follower:
@@ -59,6 +65,9 @@ class Follower:
         self._write_from: int | None = None  # the first row of the write under way (writer)
         self.applied = 0  # foreign rows applied
         self.cleared = 0  # times the caches were cleared (pruned past, or too far behind)
+        # Told (on a reader thread) the turns other processes deleted, None: perhaps any: what
+        # the server holds of them beside these caches (views of recent requests) goes too.
+        self.on_deleted: Callable[[Deleted | None], None] = lambda _: None
 
     # -- writer thread --------------------------------------------------------------------
     def install(self, conn: Connection) -> None:
@@ -108,11 +117,11 @@ class Follower:
     def catch_up(self, conn: Connection) -> int:
         """Apply the rows other processes committed since the last call; returns how many."""
         with self._lock:
-            rows = conn.execute(_SQL, (self._last, BATCH + 1)).fetchall()
+            rows: list[Row] = conn.execute(_SQL, (self._last, BATCH + 1)).fetchall()
             if not rows:
                 return 0
             if len(rows) > BATCH or int(rows[0][0]) != self._last + 1:
-                self._clear(conn)
+                self._clear(conn, pruned=int(rows[0][0]) != self._last + 1)
                 return 0
             with self._mine_lock:
                 foreign = [r for r in rows if not self._is_mine(int(r[0]))]
@@ -123,39 +132,69 @@ class Follower:
             self.applied += len(foreign)
             return len(foreign)
 
-    def _clear(self, conn: Connection) -> None:
-        """Pruned past, or too far behind: start again from the end with nothing held."""
+    def _clear(self, conn: Connection, pruned: bool) -> None:
+        """Pruned past, or too far behind: start again from the end with nothing held. The
+        turns deleted meanwhile are still told (all of them, when the log no longer has them)."""
         self.terms.clear()
         self.vectors.clear()
         self.cleared += 1
         top = int(conn.execute("SELECT coalesce(max(seq), 0) FROM changes").fetchone()[0])
+        if pruned:
+            self.on_deleted(None)
+        else:
+            gone = conn.execute(
+                "SELECT seq, user_id, turn_id, kind, session_id FROM changes"
+                " WHERE seq > ? AND seq <= ? AND kind = 'deleted'",
+                (self._last, top),
+            ).fetchall()
+            if gone:
+                self.on_deleted(_deleted(gone))
         with self._mine_lock:
             self._last = max(self._last, top)
             self._forget_mine(self._last)
 
-    def _apply(
-        self, conn: Connection, rows: Sequence[tuple[int, str | None, int | None, str]]
-    ) -> None:
+    def _apply(self, conn: Connection, rows: Sequence[Row]) -> None:
         dropped: set[str] = set()
-        for _, user, _, kind in rows:
-            if kind == "changed":
+        for _, user, _, kind, _ in rows:
+            if kind in ("changed", "deleted"):
                 if user is None:  # turn_vec rebuilt: every user's vectors
                     self.terms.clear()
                     self.vectors.clear()
-                    return
+                    dropped.clear()
+                    break
                 dropped.add(user)
-        for user in dropped:
-            self.terms.drop(user)
-            self.vectors.drop(user)
-        indexed: list[tuple[int, str]] = []
-        vectors: list[tuple[int, str]] = []
-        for _, user, turn, kind in rows:
-            if user is not None and turn is not None and user not in dropped:
-                if kind == "indexed":
-                    indexed.append((int(turn), user))
-                elif kind == "vector":
-                    vectors.append((int(turn), user))
-        if indexed:
-            self.terms.append(conn, indexed)
-        if vectors:
-            self.vectors.append_stored(conn, vectors)
+        else:
+            for user in dropped:
+                self.terms.drop(user)
+                self.vectors.drop(user)
+            indexed: list[tuple[int, str]] = []
+            vectors: list[tuple[int, str]] = []
+            for _, user, turn, kind, _ in rows:
+                if user is not None and turn is not None and user not in dropped:
+                    if kind == "indexed":
+                        indexed.append((int(turn), user))
+                    elif kind == "vector":
+                        vectors.append((int(turn), user))
+            if indexed:
+                self.terms.append(conn, indexed)
+            if vectors:
+                self.vectors.append_stored(conn, vectors)
+        if any(r[3] == "deleted" for r in rows):
+            self.on_deleted(_deleted(rows))
+
+
+Row = tuple[int, str | None, int | None, str, str | None]  # seq, user, turn, kind, session
+Deleted = dict[str, tuple[set[str], set[int]]]
+"""user -> (sessions, turns) of the turns another process deleted."""
+
+
+def _deleted(rows: Sequence[Row]) -> Deleted:
+    out: Deleted = {}
+    for _, user, turn, kind, session in rows:
+        if kind == "deleted" and user is not None:
+            sessions, turns = out.setdefault(user, (set(), set()))
+            if session is not None:
+                sessions.add(session)
+            if turn is not None:
+                turns.add(int(turn))
+    return out

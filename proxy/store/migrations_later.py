@@ -211,7 +211,8 @@ def m015_changes(conn: Connection) -> None:
     """``changes``: the log through which processes sharing the database keep their in-memory
     search caches in step (:mod:`proxy.store.changes`). Triggers write a row in the transaction
     of each change those caches care about: a turn entering the full-text index (``indexed``),
-    a turn altered or deleted, or a session's ``indexed`` flipped (``changed``); vectors
+    a turn altered or a session's ``indexed`` flipped (``changed``), a turn deleted (``deleted``,
+    with its session: the in-memory views that showed it go too); vectors
     (``vector``) are logged by :func:`proxy.store.indexing.insert_vector`, ``turn_vec`` being a
     virtual table, which takes no trigger; ``turn_vec`` rebuilt logs a ``changed`` of every user
     (``user_id`` NULL). Ids only, never text. ``AUTOINCREMENT``: a sequence
@@ -223,7 +224,8 @@ def m015_changes(conn: Connection) -> None:
             seq INTEGER PRIMARY KEY AUTOINCREMENT,
             user_id TEXT,  -- NULL: every user's
             turn_id INTEGER,
-            kind TEXT NOT NULL CHECK (kind IN ('indexed', 'vector', 'changed'))
+            kind TEXT NOT NULL CHECK (kind IN ('indexed', 'vector', 'changed', 'deleted')),
+            session_id TEXT  -- of a deleted turn
         );
         CREATE TRIGGER changes_turn_inserted AFTER INSERT ON turns WHEN new.fts_pending = 0
         BEGIN
@@ -243,7 +245,8 @@ def m015_changes(conn: Connection) -> None:
         END;
         CREATE TRIGGER changes_turn_deleted AFTER DELETE ON turns
         BEGIN
-            INSERT INTO changes(user_id, turn_id, kind) VALUES (old.user_id, old.id, 'changed');
+            INSERT INTO changes(user_id, turn_id, kind, session_id)
+                VALUES (old.user_id, old.id, 'deleted', old.session_id);
         END;
         CREATE TRIGGER changes_session_indexed AFTER UPDATE OF indexed ON sessions
         WHEN old.indexed IS NOT new.indexed

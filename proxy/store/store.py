@@ -327,6 +327,10 @@ class Store(Searching):
         ids = list(ids)
         return await self.read(lambda c: queries.get_turns(c, ids, user_id)) if ids else []
 
+    async def follow(self) -> int:
+        """Apply what other processes on the database changed (store.changes); how many rows."""
+        return await self.read(self.follower.catch_up)
+
     async def preload(self) -> list[str]:
         """Start loading the caches of the users seen last (a warm start, store.warm)."""
         return await warm.warm_start(self.read, self.terms, self.vectors, self.loader, self.vec_dim)

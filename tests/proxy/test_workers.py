@@ -6,6 +6,7 @@ processes, a real fake upstream, the official HTTP path.
   recalled through the other (its search caches follow the other's writes: proxy/store/changes).
 - ``engram serve --workers 2``: one port, two workers; a worker killed is started again; SIGTERM
   stops them all; a port of 0 is refused with the reason.
+- A forget through another process takes this one's in-memory views of it too.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from proxy.services import SERVICES
 from proxy.store import Store
 from testing.fake_upstream import FakeUpstream
+from testing.harness import settle, start_engram
 from tests.proxy.test_serve import start_serve
 
 pytestmark = pytest.mark.asyncio
@@ -178,3 +181,31 @@ def _cpu(pid: int) -> int:
     except OSError:
         return 0
     return int(fields[11]) + int(fields[12])
+
+
+async def test_a_forget_through_another_process_takes_this_ones_views_too() -> None:
+    """The inspector's recent requests and last prompts are held per process: a session
+    forgotten through another process (here a second Store on the file, as ``engram forget``
+    or another worker holds one) leaves them within about a second, with no search to wake
+    this one (the periodic read of the changes log)."""
+    async with FakeUpstream() as fake:
+        engram = await start_engram(fake.url)
+        try:
+            async with aiohttp.ClientSession() as http:
+                msgs = [{"role": "user", "content": "remember the vault code 4417"}]
+                _, session = await chat(http, engram.url, msgs)
+                await settle(engram)
+            parts = engram.app[SERVICES].parts
+            assert parts is not None
+            memory = parts.memory
+            assert memory.recent.of_user("default", 10)[1] == 1
+            assert session in memory.last_requests
+            async with Store(parts.store.path) as other:
+                assert await other.delete_session(session, user_id="default")
+            t0 = time.monotonic()
+            while memory.recent.of_user("default", 10)[1] or session in memory.last_requests:
+                assert time.monotonic() - t0 < 5, "the views of the forgotten session stayed"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - t0 < 2.5
+        finally:
+            await engram.close()

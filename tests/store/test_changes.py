@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -196,7 +197,7 @@ async def test_the_log_keeps_its_newest_rows_and_only_ids(tmp_path: Path) -> Non
         kept = [r[0] for r in conn.execute("SELECT seq FROM changes ORDER BY seq")]
         assert kept == [CHANGES_KEEP + 1023, CHANGES_KEEP + 1024]
         columns = [r[1] for r in conn.execute("PRAGMA table_info(changes)")]
-        assert columns == ["seq", "user_id", "turn_id", "kind"]  # no text: nothing to scrub
+        assert columns == ["seq", "user_id", "turn_id", "kind", "session_id"]  # ids: no text
     finally:
         conn.close()
 
@@ -217,3 +218,28 @@ async def test_a_vector_already_held_is_not_taken_for_a_replaced_one(pair: Pair)
     )
     await server.read(lambda c: server.vectors.append_stored(c, [(turn, "u")]))
     assert server.vectors.get("u") is None  # stale: dropped, loaded again on demand
+
+
+async def test_what_another_process_deletes_is_told_with_its_sessions(pair: Pair) -> None:
+    """A forget elsewhere reaches ``on_deleted`` (the server's views of those turns go too:
+    tests/proxy/test_workers.py), on the usual path and on the path of a process too far behind
+    (the log still names them), and as "anything" once the log no longer has them."""
+    server, other = pair
+    told: list[Any] = []
+    server.follower.on_deleted = told.append
+    gone = await session_ids(server, "u-s1")
+    assert await other.delete_session("u-s1", user_id="u")
+    await server.fts_search("u", '"lake"', 5)
+    assert told == [{"u": ({"u-s1"}, gone)}]
+    gone = await session_ids(server, "u-s2")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(changes, "BATCH", 3)
+        assert await other.delete_session("u-s2", user_id="u")
+        await server.fts_search("u", '"lake"', 5)
+    assert server.follower.cleared == 1 and told[-1] == {"u": ({"u-s2"}, gone)}
+    assert await other.delete_session("u-s0", user_id="u")
+    await other.write(lambda c: c.execute("DELETE FROM changes"))  # pruned unread
+    await other.get_or_create_session("u", "u-later")
+    await other.add_turns("u-later", "u", [NewTurn(0, "user", "after the prune")])
+    await server.fts_search("u", '"lake"', 5)
+    assert told[-1] is None  # the rows are gone: every view goes

@@ -132,7 +132,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "changes_session_indexed",
         "changes_pruned",
     }
-    assert _columns(conn, "changes") == ["seq", "user_id", "turn_id", "kind"]
+    assert _columns(conn, "changes") == ["seq", "user_id", "turn_id", "kind", "session_id"]
     assert {"requests", "feedback", "consolidation_queue", "counters"} <= tables
     fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(requests)")}
     assert ("sessions", "session_id", "CASCADE") in fks and ("users", "user_id", "CASCADE") in fks
