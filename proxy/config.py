@@ -203,6 +203,13 @@ class MemorySettings:
         "generated at first start into the file <db_path>.admin-token (mode 0600), which the "
         "engram command reads (`engram keys admin-token` prints it).",
     )
+    job_lease: float = opt(
+        30.0,
+        "Seconds a background job's claim on its item (a session's summary, a sub-agent's "
+        "hand-back, a request's consolidation) lasts unless renewed: with several processes "
+        "on one database, how soon another takes over the job of one that died.",
+        min=1,
+    )
 
 
 @dataclass(frozen=True)

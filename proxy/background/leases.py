@@ -24,7 +24,8 @@ from proxy.store.store import Store
 log = logging.getLogger("engram.leases")
 
 TTL_S = 30.0
-"""How long a lease lasts unless renewed: how soon another process takes over a dead one's job."""
+"""How long a lease lasts unless renewed (``memory.job_lease``): how soon another process takes
+over a dead one's job."""
 
 
 class Leases:

@@ -136,7 +136,7 @@ class Summarizer:
         self.upstream = upstream
         self.tokens = tokens
         self.prompt = load_prompt(settings.summary.prompt_file)
-        self.leases = Leases(store)  # one process at a time per item, on a shared database
+        self.leases = Leases(store, settings.memory.job_lease)  # one process per item
         self.running: set[str] = set()
         self.tokens_proxied = 0
         self.tokens_spent = 0

@@ -7,6 +7,7 @@ processes, a real fake upstream, the official HTTP path.
 - ``engram serve --workers 2``: one port, two workers; a worker killed is started again; SIGTERM
   stops them all; a port of 0 is refused with the reason.
 - A forget through another process takes this one's in-memory views of it too.
+- A server SIGKILLed during a hand-back leaves the job to the other, which does it once.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import pytest
 
 from proxy.services import SERVICES
 from proxy.store import Store
-from testing.fake_upstream import FakeUpstream
+from testing.fake_chunks import chat_completion
+from testing.fake_upstream import FakeUpstream, JsonReply
 from testing.harness import settle, start_engram
 from tests.proxy.test_serve import start_serve
 
@@ -209,3 +211,70 @@ async def test_a_forget_through_another_process_takes_this_ones_views_too() -> N
             assert time.monotonic() - t0 < 2.5
         finally:
             await engram.close()
+
+
+async def handed_back(db: Path, parent: str) -> list[str]:
+    async with Store(db) as store:
+        turns = await store.session_turns(parent, from_position=-100)
+    return [t.content for t in turns if t.position < 0]
+
+
+HANDBACK = (
+    "Task: read the issue tracker.\nOutcome: found the crash cause.\nKey facts: the crash is in "
+    "parser.py line 42, caused by an empty header.\nOpen problems: none."
+)
+
+
+async def test_a_server_killed_during_a_hand_back_leaves_it_to_the_other_once(
+    tmp_path: Path,
+) -> None:
+    """Two servers on one file; A starts a sub-agent's hand-back (the summary call hangs at the
+    upstream) and is SIGKILLed. B may not start it while A's lease lives; once it expired
+    (``memory.job_lease`` = 2 s) B hands it back: one hand-back item in the parent, not two."""
+    db = tmp_path / "engram.db"
+    env = {"ENGRAM_SUMMARY_BUDGET_SHARE": "1.0", "ENGRAM_SUMMARY_MAX_TOKENS": "64",
+           "ENGRAM_MEMORY_JOB_LEASE": "2"}  # fmt: skip
+    async with FakeUpstream() as fake:
+        a, url_a = await start_serve("--upstream", fake.url, "--db", str(db), env_extra=env)
+        b, url_b = await start_serve("--upstream", fake.url, "--db", str(db), env_extra=env)
+        try:
+            token = (tmp_path / "engram.db.admin-token").read_text().strip()
+            admin = {"Authorization": f"Bearer {token}", "X-Engram-User": "u"}
+            user = {"X-Engram-User": "u"}
+            async with aiohttp.ClientSession() as http:
+                big = [{"role": "user", "content": "investigate the crash " + "context " * 400}]
+                for url in (url_a, url_b):  # each server's own traffic: its summary budget
+                    _, top = await chat(http, url, big, **user)
+                kid_msgs = [{"role": "user", "content": "The crash is in parser.py."}]
+                _, kid = await chat(http, url_a, kid_msgs, **user, **{"X-Engram-Parent": top})
+                fake.enqueue(JsonReply(chat_completion(HANDBACK), delay=120))  # A's call hangs
+                calls = len(fake.chat_requests())
+                async with http.post(f"{url_a}/engram/api/sessions/{kid}/complete",
+                                     headers=admin) as r:  # fmt: skip
+                    assert r.status == 202
+                t0 = time.monotonic()
+                while len(fake.chat_requests()) == calls:  # A's summary call is in flight
+                    assert time.monotonic() - t0 < 15, "A never asked for the hand-back"
+                    await asyncio.sleep(0.05)
+                a.kill()
+                await a.wait()
+                fake.enqueue(JsonReply(chat_completion(HANDBACK)))
+                t0 = time.monotonic()
+                while True:
+                    async with http.post(f"{url_b}/engram/api/sessions/{kid}/complete",
+                                         headers=admin) as r:  # fmt: skip
+                        assert r.status == 202
+                    if await handed_back(db, top):
+                        break
+                    if time.monotonic() - t0 > 20:
+                        b.kill()
+                        out = (await b.communicate())[0].decode()
+                        raise AssertionError(f"B never handed it back:\n{out[-3000:]}")
+                    await asyncio.sleep(0.3)
+                assert time.monotonic() - t0 >= 1.0  # not while A's lease was alive
+        finally:
+            if a.returncode is None:
+                a.kill()
+                await a.wait()
+            assert await stop(b) == 0
+    assert ["parser.py line 42" in text for text in await handed_back(db, top)] == [True]
