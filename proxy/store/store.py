@@ -32,6 +32,8 @@ Public surface (all ``async`` except the constructor)::
     fts_candidates(user_id, words, choose, limit, ...) / vec_candidates(user_id, vector, limit,
                *, known=(), ...) -> (ranking, rows)  each path in one reader job (store.searching)
     export(user_id) -> AsyncIterator[dict]  sessions then turns;  stats();  preload()  warm start
+    follow()   apply what other processes on the file changed (store.changes; each search
+               does it first);  follower.on_deleted   told of turns they deleted
     ensure_embedding_model(name, dim=None) -> bool   False when turn_vec holds another model's
                                 vectors (store.vectable); vec_dim: turn_vec's dimension
 
