@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -228,6 +228,7 @@ class UserWordCounts:
         self._lock = threading.Lock()
         self._queued: list[tuple[str, str]] = []
         self.running = False
+        self.again: Callable[[], None] | None = None  # queue :meth:`run` once more
 
     def shares(
         self,
@@ -288,13 +289,20 @@ class UserWordCounts:
         return bool(self._queued) and not self.running
 
     def run(self, conn: Connection) -> None:
-        """The background job (on a reader thread, ``running`` set by whoever started it)."""
+        """The background job (on a reader thread, ``running`` set by whoever started it).
+        Words queued while it counted are not left waiting for the next search: it queues
+        itself again (:attr:`again`) for them, behind whatever else waits for that thread."""
+        more = False
         try:
             self.count(conn)
         except Exception:
             log.exception("counting a user's common words failed")
         finally:
-            self.running = False
+            with self._lock:  # as a search queues its words: it sees running, or we see them
+                more = bool(self._queued) and self.again is not None
+                self.running = more
+        if more and self.again is not None:
+            self.again()
 
     def count(self, conn: Connection) -> int:
         """Count up to ``WORD_COUNTS_PER_JOB`` queued words in their users' rows; returns how

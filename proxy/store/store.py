@@ -104,6 +104,7 @@ class Store(Searching):
         self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy
         self.follower = changes.Follower(self.terms, self.vectors)  # other processes' writes
         self.loader = warm.Loader(self.path)  # loads those caches beside the readers
+        self._words.again = lambda: self.loader.submit(self._words.run)  # words queued meanwhile
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -116,3 +116,31 @@ async def test_remembered_shares_cost_no_read(tmp_path: Path) -> None:
         assert reads == [0]
         await store.fts_word_shares("u", ["walks"], min_turns=2)  # a word not seen: one read
         assert reads == [1]
+
+
+async def test_a_word_queued_while_the_count_runs_is_counted_without_another_search(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search that queues a word while the background count is running does not start
+    another count (one runs); the running count must then queue itself again, or the word
+    waits for the next search (what made the test above fail now and then)."""
+    from proxy.store import search
+
+    async with Store(tmp_path / "m.db") as store:
+        await one_turn_sessions(store, "u", ["hello there", "beagle walks"])
+        words = store._words
+        real = search.user_term_rows
+        late = [("u", "beagle")]
+
+        def counting(conn: object, user_id: str, word: str) -> int:
+            if late:  # a search queues its word meanwhile
+                with words._lock:
+                    words._queued.append(late.pop())
+            return real(conn, user_id, word)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(search, "user_term_rows", counting)
+        words._queued.append(("u", "hello"))
+        words.running = True
+        store.loader.submit(words.run)
+        await counted(store)
+        assert set(words._known) == {("u", "hello"), ("u", "beagle")}
