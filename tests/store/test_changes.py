@@ -8,6 +8,7 @@ caches, exactly what a second ``engram serve`` (or ``engram import``) holds."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -243,3 +244,51 @@ async def test_what_another_process_deletes_is_told_with_its_sessions(pair: Pair
     await other.add_turns("u-later", "u", [NewTurn(0, "user", "after the prune")])
     await server.fts_search("u", '"lake"', 5)
     assert told[-1] is None  # the rows are gone: every view goes
+
+
+async def test_caches_stay_exact_while_both_processes_write_and_one_loads(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both processes archive at once (turns with vectors, 20 transactions each) while the
+    server searches without pause and, at the start, loads the user again on its loader
+    thread, slowly: afterwards its terms rank exactly as the reference over FTS5's rows, its
+    vectors answer exactly as vec0, and every turn of both is found."""
+    from proxy.store import term_cache, term_index
+
+    server, other = pair
+    monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)  # loads go to the loader thread
+    monkeypatch.setattr(term_index, "LOAD_CHUNK", 4)  # and take a while
+    server.terms.drop("u")
+    server.vectors.drop("u")
+    rng = np.random.default_rng(21)
+    await other.get_or_create_session("u", "u-other")
+    await server.get_or_create_session("u", "u-mine")
+    probe = unit(rng)
+    written = False
+
+    async def write(st: Store, session: str, word: str) -> None:
+        for k in range(20):
+            turns = [NewTurn(2 * k + j, "user", f"{word} {k}-{j} by the lake") for j in (0, 1)]
+            await st.add_turns(session, "u", turns, [unit(rng), unit(rng)])
+
+    async def search() -> None:
+        while not written:
+            await server.fts_search("u", '"lake" OR "heron"', 10)
+            await server.vec_search("u", probe, 10, mode="exact")
+
+    async def both_write() -> None:
+        nonlocal written
+        await asyncio.gather(write(other, "u-other", "heron"), write(server, "u-mine", "egret"))
+        written = True
+
+    await asyncio.gather(search(), both_write())
+    await terms_held(server, "u")
+    await vectors_held(server, "u")
+    await check_all(server, "u")
+    for _ in range(5):
+        cached, vec0 = await both(server, "u", unit(rng), 20)
+        assert cached == vec0
+    found = await contents(server, await server.fts_search("u", '"heron" OR "egret"', 200))
+    assert len(found) == 80
+    index = server.terms._users["u"]
+    assert len(index.held) == index.n == len(set(index.ids[: index.n].tolist()))
