@@ -16,7 +16,17 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from proxy.store import changes, indexing, queries, search, term_cache, term_index, vec_cache, warm
+from proxy.store import (
+    changes,
+    indexing,
+    queries,
+    search,
+    term_cache,
+    term_index,
+    vec_cache,
+    warm,
+    word_counts,
+)
 from proxy.store.db import Connection
 from proxy.store.scope import turn_rows
 from proxy.store.search import VecMode
@@ -39,7 +49,7 @@ class Searching:
     follower: changes.Follower
     loader: warm.Loader
     vec_dim: int | None
-    _words: search.UserWordCounts
+    _words: word_counts.UserWordCounts
     _fts_weights: tuple[float, ...]
     _vec_mode: VecMode
     _quantized_above: int
@@ -151,7 +161,7 @@ class Searching:
         self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
     ) -> dict[str, float]:
         """Each query word's share of ``user_id``'s turns, as far as known without waiting
-        (search.UserWordCounts); empty below ``min_turns`` turns. No hop when remembered."""
+        (word_counts.UserWordCounts); empty below ``min_turns`` turns. No hop when remembered."""
         quick, job = self._shares(user_id, words, min_turns, above)
         try:
             return quick if quick is not None else await self.read(job)

@@ -53,7 +53,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from proxy.store import changes, indexing, queries, search, term_cache, vec_cache, vectable, warm
+from proxy.store import (
+    changes,
+    indexing,
+    queries,
+    term_cache,
+    vec_cache,
+    vectable,
+    warm,
+    word_counts,
+)
 from proxy.store.db import Connection, connect
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
@@ -99,7 +108,7 @@ class Store(Searching):
         self._conns_lock = threading.Lock()
         self._user_counts: dict[str, tuple[float, int]] = {}
         self.vec_dim: int | None = None  # turn_vec's, read at open
-        self._words = search.UserWordCounts()
+        self._words = word_counts.UserWordCounts()
         self.vectors = vec_cache.VectorCache(vec_memory)  # the exact KNN in numpy
         self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy
         self.follower = changes.Follower(self.terms, self.vectors)  # other processes' writes

@@ -124,12 +124,12 @@ async def test_a_word_queued_while_the_count_runs_is_counted_without_another_sea
     """A search that queues a word while the background count is running does not start
     another count (one runs); the running count must then queue itself again, or the word
     waits for the next search (what made the test above fail now and then)."""
-    from proxy.store import search
+    from proxy.store import word_counts
 
     async with Store(tmp_path / "m.db") as store:
         await one_turn_sessions(store, "u", ["hello there", "beagle walks"])
         words = store._words
-        real = search.user_term_rows
+        real = word_counts.user_term_rows
         late = [("u", "beagle")]
 
         def counting(conn: object, user_id: str, word: str) -> int:
@@ -138,7 +138,7 @@ async def test_a_word_queued_while_the_count_runs_is_counted_without_another_sea
                     words._queued.append(late.pop())
             return real(conn, user_id, word)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(search, "user_term_rows", counting)
+        monkeypatch.setattr(word_counts, "user_term_rows", counting)
         words._queued.append(("u", "hello"))
         words.running = True
         store.loader.submit(words.run)
