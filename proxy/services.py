@@ -28,7 +28,7 @@ from proxy.background.consolidation import Consolidator
 from proxy.background.feedback import Feedback
 from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
-from proxy.background.stats import FLUSH_EVERY, Counters
+from proxy.background.stats import CALIBRATE_EVERY, FLUSH_EVERY, Calibration, Counters
 from proxy.background.summarizer import Summarizer
 from proxy.chat.apis import chat_apis
 from proxy.chat.memory import MemoryService
@@ -76,6 +76,7 @@ class MemoryParts:
     consolidator: Consolidator
     counters: Counters
     slots: SlotStore | None
+    calibration: Calibration
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,8 @@ def _loops(s: Services) -> list[asyncio.Task[None]]:
         loops.append(every(FLUSH_EVERY, s.counters.flush, "saving the token counters"))
     if s.parts is not None:  # other processes' writes, between searches (proxy.store.changes)
         loops.append(every(FOLLOW_EVERY, s.parts.store.follow, "following other processes"))
+        sync = s.parts.calibration.sync
+        loops.append(every(CALIBRATE_EVERY, sync, "sharing the token corrections"))
     return loops
 
 
@@ -285,6 +288,9 @@ async def _open_memory(
             loop.call_soon_threadsafe(_forget_views, memory, deleted)
 
     store.follower.on_deleted = deleted_elsewhere
+    calibration = Calibration(store, tokens)  # what other processes learned of token counts
+    await calibration.sync()
+    closing("saving the token corrections", calibration.sync)
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")
     # The recent users' terms and vectors into memory before they ask (store.warm).
@@ -296,7 +302,7 @@ async def _open_memory(
         db=str(path),
         embedder=embedder.name if embedder else "none (full-text search only)",
     )
-    return MemoryParts(memory, store, retriever, consolidator, counters, slots)
+    return MemoryParts(memory, store, retriever, consolidator, counters, slots, calibration)
 
 
 async def _open_embedder(settings: Settings, store: Store) -> Embedder | None:

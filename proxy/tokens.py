@@ -138,6 +138,27 @@ class TokenCounter:
             old = self._ratio.get(key)
             self._ratio[key] = sample if old is None else 0.8 * old + 0.2 * sample
 
+    def learned(self) -> dict[str, dict[str, float]]:
+        """What :meth:`learn` has learned, to share with other processes on the database:
+        ``{"ratio": {model: factor}, "rendered": {model: share}}``."""
+        with self._lock:
+            return {"ratio": dict(self._ratio), "rendered": dict(self._rendered)}
+
+    def adopt(self, learned: Mapping[str, Any]) -> None:
+        """Take what another process (or this one before a restart) learned, for the models
+        this one has not learned itself; values outside what :meth:`learn` makes are ignored."""
+        bounds = {"ratio": (0.25, 4.0), "rendered": (0.0, 1.5)}
+        with self._lock:
+            for kind, mine in (("ratio", self._ratio), ("rendered", self._rendered)):
+                theirs = learned.get(kind)
+                if not isinstance(theirs, dict):
+                    continue
+                low, high = bounds[kind]
+                for model, value in theirs.items():
+                    ok = isinstance(value, int | float) and low <= value <= high
+                    if isinstance(model, str) and ok and model not in mine:
+                        mine[model] = float(value)
+
     def rendered_share(self, model: str | None) -> float:
         """How much of the tool definitions ``model``'s chat template renders, as learned
         (:meth:`learn`); all of them until the upstream has said."""

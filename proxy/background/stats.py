@@ -18,9 +18,15 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from proxy.config import Settings
-from proxy.store.counters import add_counters, all_counters
+from proxy.store.counters import (
+    add_counters,
+    all_counters,
+    save_token_calibration,
+    token_calibration,
+)
 from proxy.store.db import Connection
 from proxy.store.store import Store
+from proxy.tokens import TokenCounter
 
 log = logging.getLogger("engram.stats")
 
@@ -80,6 +86,31 @@ class Counters:
         if any(deltas.values()):
             await self.store.write(lambda c: add_counters(c, deltas))
         self._flushed = now
+
+
+CALIBRATE_EVERY = 5.0
+"""Seconds between two exchanges of the learned token corrections with the database."""
+
+
+class Calibration:
+    """The token counter's per-model corrections (:meth:`proxy.tokens.TokenCounter.learn`)
+    kept in the database: a worker started beside others, or a server restarted, counts a
+    model's prompts (and how much of the tool definitions its template renders) as already
+    learned, instead of counting every tool definition until the model's first reply, which
+    leaves an agent's first request no room for memories on a small context."""
+
+    def __init__(self, store: Store, tokens: TokenCounter) -> None:
+        self.store = store
+        self.tokens = tokens
+        self._saved: dict[str, dict[str, float]] | None = None
+
+    async def sync(self) -> None:
+        """Take what others learned (for models this process has not), store what it learned."""
+        self.tokens.adopt(await self.store.read(token_calibration))
+        learned = self.tokens.learned()
+        if learned != self._saved and any(learned.values()):
+            await self.store.write(lambda c: save_token_calibration(c, learned))
+        self._saved = learned
 
 
 def token_figures(totals: Mapping[str, int], settings: Settings) -> dict[str, Any]:

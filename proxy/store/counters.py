@@ -8,6 +8,7 @@ where they are stored.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -73,3 +74,32 @@ def memory_counts(conn: Connection, user_id: str | None = None) -> dict[str, Any
         },
         "queue": queue_counts(conn, user_id),
     }
+
+
+CALIBRATION_KEY = "token_calibration"
+"""The ``meta`` key of the token counts' per-model corrections (proxy.tokens.TokenCounter)."""
+
+
+def token_calibration(conn: Connection) -> dict[str, Any]:
+    """The per-model token corrections the processes on this database learned (empty: none)."""
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (CALIBRATION_KEY,)).fetchone()
+    try:
+        found = json.loads(row[0]) if row else {}
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def save_token_calibration(conn: Connection, learned: Mapping[str, Mapping[str, float]]) -> None:
+    """Merge ``learned`` into the stored corrections (its models' values replace theirs)."""
+    stored = token_calibration(conn)
+    for kind, values in learned.items():
+        kept = stored.get(kind)
+        merged = dict(kept) if isinstance(kept, dict) else {}
+        merged.update(values)
+        stored[kind] = merged
+    conn.execute(
+        "INSERT INTO meta(key, value) VALUES (?, ?)"
+        " ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (CALIBRATION_KEY, json.dumps(stored, sort_keys=True)),
+    )
