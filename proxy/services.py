@@ -290,6 +290,7 @@ async def _open_memory(
     store.follower.on_deleted = deleted_elsewhere
     calibration = Calibration(store, tokens)  # what other processes learned of token counts
     await calibration.sync()
+    memory.rewriter.unlearned = calibration.take
     closing("saving the token corrections", calibration.sync)
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")

@@ -141,8 +141,11 @@ class TokenCounter:
     def learned(self) -> dict[str, dict[str, float]]:
         """What :meth:`learn` has learned, to share with other processes on the database:
         ``{"ratio": {model: factor}, "rendered": {model: share}}``."""
-        with self._lock:
-            return {"ratio": dict(self._ratio), "rendered": dict(self._rendered)}
+        with self._lock:  # rounded: a moving average's last digits are not worth a write
+            return {
+                "ratio": {m: round(v, 3) for m, v in self._ratio.items()},
+                "rendered": {m: round(v, 3) for m, v in self._rendered.items()},
+            }
 
     def adopt(self, learned: Mapping[str, Any]) -> None:
         """Take what another process (or this one before a restart) learned, for the models
@@ -158,6 +161,10 @@ class TokenCounter:
                     ok = isinstance(value, int | float) and low <= value <= high
                     if isinstance(model, str) and ok and model not in mine:
                         mine[model] = float(value)
+
+    def knows_rendered(self, model: str | None) -> bool:
+        """Whether :meth:`rendered_share` for ``model`` is learned (here or adopted)."""
+        return (model or "") in self._rendered
 
     def rendered_share(self, model: str | None) -> float:
         """How much of the tool definitions ``model``'s chat template renders, as learned

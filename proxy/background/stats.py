@@ -14,6 +14,7 @@ Everything else (hand-backs, facts, feedback, the queue) is counted in the datab
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -88,8 +89,11 @@ class Counters:
         self._flushed = now
 
 
-CALIBRATE_EVERY = 5.0
-"""Seconds between two exchanges of the learned token corrections with the database."""
+CALIBRATE_EVERY = 1.0
+"""Seconds between two exchanges of the learned token corrections with the database (a read
+of one row; a write only when what this process learned changed)."""
+TAKE_EVERY = 1.0
+"""At most one read a second for requests of a model this process has not learned."""
 
 
 class Calibration:
@@ -103,6 +107,16 @@ class Calibration:
         self.store = store
         self.tokens = tokens
         self._saved: dict[str, dict[str, float]] | None = None
+        self._taken = 0.0  # when :meth:`take` last read
+
+    async def take(self) -> None:
+        """Read what others learned now (a request of a model not learned here is about to be
+        budgeted; at most once a :data:`TAKE_EVERY`)."""
+        now = time.monotonic()
+        if now - self._taken < TAKE_EVERY:
+            return
+        self._taken = now
+        self.tokens.adopt(await self.store.read(token_calibration))
 
     async def sync(self) -> None:
         """Take what others learned (for models this process has not), store what it learned."""

@@ -94,6 +94,9 @@ class Rewriter:
         # request's window starts there too (the upstream's prompt cache keeps working)
         self.windows: LRU[str, int] = LRU(WINDOWS)
         self.fence_secret = secrets.token_bytes(32)  # the memory block's tags (fence.block_tag)
+        # Read what other processes learned of a model's token counts, before budgeting a
+        # request of a model not learned here (set by proxy.services; None: nothing to ask).
+        self.unlearned: Callable[[], Awaitable[None]] | None = None
 
     async def compose(
         self,
@@ -195,6 +198,8 @@ class Rewriter:
         corrected for the model, times the share of them its chat template renders (learned
         from the ``usage`` it reports: :meth:`proxy.tokens.TokenCounter.learn`)."""
         t = self.tokens
+        if not t.knows_rendered(model) and self.unlearned is not None:
+            await self.unlearned()  # another process may have learned it (background.stats)
         raw = await self.rendered_raw(rendered)
         return round(raw * t.factor(model) * t.rendered_share(model))
 
