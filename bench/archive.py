@@ -153,8 +153,9 @@ def code_label() -> str:
 # ---- (a) the commit alone ----------------------------------------------------------------
 
 
-def checkpoint(path: Path) -> None:
+def checkpoint(path: Path | None) -> None:
     """Fold the WAL into the database, so that each measurement starts from an empty log."""
+    assert path is not None, "a SQLite store"
     conn = connect(path)
     try:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()

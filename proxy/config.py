@@ -176,6 +176,20 @@ class MemorySettings:
         "The SQLite file holding all memory. Empty: engram.db in the user data directory "
         "($XDG_DATA_HOME/engram, ~/Library/Application Support/engram, %APPDATA%\\engram).",
     )
+    backend: str = opt(
+        "sqlite",
+        "Where memory lives. sqlite: one file (db_path), for one machine (several processes "
+        "with server.workers). postgres: a PostgreSQL server with the vector extension "
+        "(pgvector) at postgres_url, which several Engram replicas on several machines share.",
+        choices=("sqlite", "postgres"),
+    )
+    postgres_url: str = opt(
+        "",
+        "The PostgreSQL database when backend is postgres: postgresql://USER:PASSWORD@HOST:PORT/"
+        "DATABASE (postgres:// too; libpq's parameters as ?key=value, e.g. sslmode=require). "
+        "Its password is masked wherever Engram shows the URL. The schema is created at first "
+        "start (CREATE EXTENSION vector needs a role allowed to, once).",
+    )
     redact_secrets: bool = opt(
         True,
         "Redact secrets (API keys and tokens of some 60 kinds, private keys, passwords in URLs, "
@@ -671,6 +685,16 @@ def _cross_check(settings: Settings) -> str | None:
             "memory.enabled is true: every web page you visit could then write into your "
             "memory and read your model's answers. List your web apps' origins instead "
             '(e.g. ["http://localhost:3000"]), or set memory.enabled = false for a pure proxy.'
+        )
+    memory = settings.memory
+    if memory.backend == "postgres" and not memory.postgres_url.startswith(
+        ("postgresql://", "postgres://")
+    ):
+        return (
+            "config: memory.backend is postgres but memory.postgres_url is "
+            + ("empty" if not memory.postgres_url else "not a postgresql:// or postgres:// URL")
+            + ": set it to postgresql://USER:PASSWORD@HOST:PORT/DATABASE "
+            "(or ENGRAM_MEMORY_POSTGRES_URL)"
         )
     return None
 

@@ -78,3 +78,11 @@ def warn_if_writable_by_others(folder: Path) -> bool:
         folder,
     )
     return True
+
+
+def store_target(backend: str, postgres_url: str, configured_path: str) -> str | Path:
+    """Where the memory store is: the PostgreSQL URL with ``backend = "postgres"``, else the
+    SQLite file (:func:`db_path`)."""
+    if backend == "postgres":
+        return postgres_url
+    return db_path(configured_path)

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -34,9 +35,10 @@ from proxy.chat.apis import chat_apis
 from proxy.chat.memory import MemoryService
 from proxy.chat.pipeline import ChatPipeline
 from proxy.config import Settings
+from proxy.keys import new_admin_token
 from proxy.logs import event
 from proxy.masking import display_url
-from proxy.paths import db_path
+from proxy.paths import db_path, store_target
 from proxy.search.embedder import Embedder
 from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_embedder
 from proxy.search.retrieval import Retriever
@@ -44,6 +46,7 @@ from proxy.slots.store import SlotStore
 from proxy.store import queries
 from proxy.store.changes import Deleted
 from proxy.store.lock import DatabaseBusy, DatabaseLock
+from proxy.store.pg.connection import PostgresUnavailable
 from proxy.store.store import Store
 from proxy.store.warm import cache_split
 from proxy.tasks import BackgroundTasks, every, stop
@@ -55,6 +58,7 @@ log = logging.getLogger("engram.services")
 FOLLOW_EVERY = 1.0
 """Seconds between two reads of the changes log when no search reads it (proxy.store.changes)."""
 FENCE_SECRET_KEY = "fence_secret"
+ADMIN_TOKEN_KEY = "admin_token"  # on PostgreSQL, when memory.admin_token is not set
 """The ``meta`` key of the memory block's tag secret (shared by every process on the database)."""
 FTS_ONLY_HINT = (
     'To start anyway with full-text search only, set embedder.on_unusable = "fts-only" '
@@ -147,24 +151,21 @@ async def open_services(
         closing("closing the upstream client", upstream.close)
         tasks = BackgroundTasks()
         enabled = settings.memory.enabled
-        path = db_path(settings.memory.db_path)
+        memory_cfg = settings.memory
+        target = store_target(memory_cfg.backend, memory_cfg.postgres_url, memory_cfg.db_path)
         store: Store | None = None
         if enabled or settings.auth.mode == "keys":  # keys live in the database
-            lock = DatabaseLock(path)
-            try:  # shared with other servers; `engram reindex` takes it alone
-                lock.acquire(exclusive=False)
-            except DatabaseBusy:
-                raise StartupRefused(
-                    f"`engram reindex` is re-embedding the database {path}; start again when it "
-                    "has finished (or stop it: it continues where it stopped next time)"
-                ) from None
-            closing("releasing the database lock", _async(lock.release))
+            if isinstance(target, Path):
+                _share_lock(target, closing)
             fts_memory, vec_memory = cache_split(settings.memory.cache_mb)
-            store = Store(path, fts_memory=fts_memory, vec_memory=vec_memory)
-            await store.open()
+            store = Store(target, fts_memory=fts_memory, vec_memory=vec_memory)
+            try:
+                await store.open()
+            except PostgresUnavailable as exc:
+                raise StartupRefused(f"memory.postgres_url ({store.display}): {exc}") from None
             closing("closing the database", store.close)
         parts = await _open_memory(settings, store, tasks, upstream, closing) if store else None
-        token = await asyncio.to_thread(load_admin_token, settings.memory.admin_token, path)
+        token = await _admin_token(settings, store, target)
         auth = Authenticator(settings.auth, store, token)
         # Registered after the memory parts, so it runs before they close.
         closing("draining background tasks", lambda: tasks.drain(settings.server.shutdown_timeout))
@@ -185,6 +186,32 @@ async def open_services(
         for loop in _loops(services):
             closing(f"stopping {loop.get_name()}", functools.partial(stop, loop))
         yield services
+
+
+def _share_lock(
+    path: Path, closing: Callable[[str, Callable[[], Awaitable[object]]], None]
+) -> None:
+    """The SQLite file's lock, shared with other servers (`engram reindex` takes it alone)."""
+    lock = DatabaseLock(path)
+    try:
+        lock.acquire(exclusive=False)
+    except DatabaseBusy:
+        raise StartupRefused(
+            f"`engram reindex` is re-embedding the database {path}; start again when it "
+            "has finished (or stop it: it continues where it stopped next time)"
+        ) from None
+    closing("releasing the database lock", _async(lock.release))
+
+
+async def _admin_token(settings: Settings, store: Store | None, target: str | Path) -> str:
+    """``memory.admin_token``; else on SQLite the token file beside the database, on
+    PostgreSQL the one kept in the database (every replica the same)."""
+    configured = settings.memory.admin_token
+    if store is not None and store.pg and not configured:
+        made = new_admin_token()
+        return await store.write(lambda c: queries.shared_value(c, ADMIN_TOKEN_KEY, made))
+    path = target if isinstance(target, Path) else db_path(settings.memory.db_path)
+    return await asyncio.to_thread(load_admin_token, configured, path)
 
 
 def _async(fn: Callable[[], None]) -> Callable[[], Awaitable[None]]:
@@ -245,7 +272,7 @@ async def _open_memory(
 ) -> MemoryParts | None:
     if not settings.memory.enabled:
         return None
-    path = store.path
+    path = store.display
     embedder = await _open_embedder(settings, store)
     if embedder is not None:
         closing("stopping the embedder", embedder.aclose)

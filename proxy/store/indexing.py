@@ -17,6 +17,7 @@ import numpy as np
 
 from proxy.store import vec_cache
 from proxy.store.db import Connection
+from proxy.store.dialect import ids_in, is_pg
 from proxy.store.fts_sql import fts_reindex_sql
 from proxy.store.models import Turn
 from proxy.store.rows import TURN_COLS, json_list, turn_of
@@ -42,11 +43,18 @@ def insert_vector(
     """Add a turn's vector (and its bit-quantised copy) to ``turn_vec``. The caller records
     its model (``turns.embed_model``, :func:`proxy.store.vectable.stamp_model_id`)."""
     blob = to_blob(check_vector(vec, None))
-    conn.execute(
-        "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed) "
-        "VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
-        (turn_id, user_id, blob, blob, session_id, int(indexed)),
-    )
+    if is_pg(conn):  # no bit-quantised copy (exact search in the database)
+        conn.execute(
+            "INSERT INTO turn_vec(turn_id, user_id, embedding, session_id, indexed)"
+            " VALUES (?, ?, ?, ?, ?)",
+            (turn_id, user_id, blob, session_id, int(indexed)),
+        )
+    else:
+        conn.execute(
+            "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id,"
+            " indexed) VALUES (?, ?, ?, vec_quantize_binary(?), ?, ?)",
+            (turn_id, user_id, blob, blob, session_id, int(indexed)),
+        )
     conn.execute(  # for the other processes on this database (proxy.store.changes)
         "INSERT INTO changes(user_id, turn_id, kind) VALUES (?, ?, 'vector')", (user_id, turn_id)
     )
@@ -60,14 +68,16 @@ def index_deferred(conn: Connection, ids: Sequence[int]) -> int:
     pending = [
         r[0]
         for r in conn.execute(
-            "SELECT id FROM turns WHERE id IN (SELECT value FROM json_each(?))"
-            " AND fts_pending = 1 ORDER BY id",
+            f"SELECT id FROM turns WHERE id IN {ids_in(conn)} AND fts_pending = 1 ORDER BY id",
             (json_list(ids),),
         )
     ]
     delete, insert = fts_reindex_sql()
     for turn_id in pending:
         conn.execute("UPDATE turns SET fts_pending = 0 WHERE id = ?", (turn_id,))
+        if is_pg(conn):  # the schema's function does both statements
+            conn.execute("SELECT engram_fts_reindex(?)", (turn_id,))
+            continue
         conn.execute(delete, {"id": turn_id})
         conn.execute(insert, {"id": turn_id})
     return len(pending)

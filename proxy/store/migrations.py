@@ -340,6 +340,10 @@ def _ensure_table(conn: Connection) -> None:
 
 def applied_versions(conn: Connection) -> list[int]:
     """Versions recorded in ``schema_migrations``, ascending (empty for a blank database)."""
+    if getattr(conn, "dialect", "sqlite") == "postgres":
+        from proxy.store.pg.migrate import applied_versions as pg_versions
+
+        return pg_versions(conn)
     exists = conn.execute(
         "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_migrations'"
     ).fetchone()

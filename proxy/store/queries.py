@@ -18,6 +18,7 @@ from typing import Any
 
 from proxy.store import scaffolds
 from proxy.store.db import Connection
+from proxy.store.dialect import greatest, ids_in, is_pg, no_limit, texts_in
 from proxy.store.indexing import insert_vector
 from proxy.store.migrations import applied_versions
 from proxy.store.models import (
@@ -30,7 +31,7 @@ from proxy.store.models import (
     text_hash,
 )
 from proxy.store.rows import SESSION_COLS, TURN_COLS, TURN_COLS_T, json_list, session_of, turn_of
-from proxy.store.vectable import stamp_model_id
+from proxy.store.vectable import stamp_model_id, vector_count
 from proxy.vectors import Vector
 
 # -- users and sessions ---------------------------------------------------------------------
@@ -128,8 +129,8 @@ def resolve_session(
     rows = conn.execute(
         "SELECT t.session_id, t.position, t.content_hash, s.last_seen FROM turns t"
         " JOIN sessions s ON s.id = t.session_id"
-        " WHERE t.user_id = ? AND t.content_hash IN (SELECT value FROM json_each(?))"
-        " AND s.parent_id IS ?",
+        f" WHERE t.user_id = ? AND t.content_hash IN {texts_in(conn)}"
+        " AND s.parent_id IS NOT DISTINCT FROM ?",
         (user_id, json_list(wanted), parent_id),
     ).fetchall()
     best: tuple[int, float, str] | None = None
@@ -212,12 +213,12 @@ def insert_turns(
         embed_hash = None
         if vec is not None:
             embed_hash = turn.embed_hash or text_hash(turn.content)
-        cur = conn.execute(
+        row = conn.execute(
             "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
             " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete,"
             " fts_pending, api, embed_model, scaffold)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT(session_id, position) DO NOTHING",
+            " ON CONFLICT(session_id, position) DO NOTHING RETURNING id",
             (
                 session_id,
                 user_id,
@@ -239,16 +240,18 @@ def insert_turns(
                 model if vec is not None else None,
                 scaffolds.refs_json(turn.scaffold),
             ),
-        )
-        if cur.rowcount != 1 or cur.lastrowid is None:
+        ).fetchone()
+        if row is None:  # the session holds that position already
             continue
+        turn_id = int(row[0])
         if vec is not None:
-            insert_vector(conn, cur.lastrowid, user_id, session_id, session.indexed, vec)
-        ids.append((cur.lastrowid, turn))
+            insert_vector(conn, turn_id, user_id, session_id, session.indexed, vec)
+        ids.append((turn_id, turn))
     if any(t.scaffold or t.sightings for _, t in ids):
         scaffolds.record(conn, user_id, session_id, [t for _, t in ids], now)
     conn.execute(
-        "UPDATE sessions SET last_seen = max(last_seen, ?) WHERE id = ?", (now, session_id)
+        f"UPDATE sessions SET last_seen = {greatest(conn)}(last_seen, ?) WHERE id = ?",
+        (now, session_id),
     )
     return ids
 
@@ -302,13 +305,21 @@ def turns_at(
     user's whole turns_user index instead)."""
     if not places:
         return {}
-    rows = conn.execute(
-        f"SELECT {TURN_COLS_T} FROM json_each(?) AS p CROSS JOIN turns AS t"
-        " ON t.session_id = json_extract(p.value, '$[0]')"
-        " AND t.position = json_extract(p.value, '$[1]')"
-        " WHERE t.user_id = ?",
-        (json.dumps(list(places)), user_id),
-    )
+    if is_pg(conn):
+        rows = conn.execute(
+            f"SELECT {TURN_COLS_T} FROM json_array_elements(?::json) AS p"
+            " JOIN turns AS t ON t.session_id = p.value->>0"
+            " AND t.position = (p.value->>1)::bigint WHERE t.user_id = ?",
+            (json.dumps(list(places)), user_id),
+        )
+    else:
+        rows = conn.execute(
+            f"SELECT {TURN_COLS_T} FROM json_each(?) AS p CROSS JOIN turns AS t"
+            " ON t.session_id = json_extract(p.value, '$[0]')"
+            " AND t.position = json_extract(p.value, '$[1]')"
+            " WHERE t.user_id = ?",
+            (json.dumps(list(places)), user_id),
+        )
     out = [turn_of(r) for r in rows]
     return {(t.session_id, t.position): t for t in out}
 
@@ -332,7 +343,7 @@ def session_turns(
     rows = conn.execute(
         f"SELECT {TURN_COLS} FROM turns WHERE session_id = ? AND position >= ?"
         " ORDER BY position LIMIT ?",
-        (session_id, from_position, -1 if limit is None else limit),
+        (session_id, from_position, no_limit(conn) if limit is None else limit),
     )
     turns = [turn_of(r) for r in rows]
     return scaffolds.as_sent(conn, turns) if as_sent else turns
@@ -340,7 +351,7 @@ def session_turns(
 
 def get_turns(conn: Connection, ids: Sequence[int], user_id: str | None) -> list[Turn]:
     """The turns with these ids, in the order given; unknown (or other users') ids are left out."""
-    sql = f"SELECT {TURN_COLS} FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+    sql = f"SELECT {TURN_COLS} FROM turns WHERE id IN {ids_in(conn)}"
     args: list[Any] = [json_list(ids)]
     if user_id is not None:
         sql += " AND user_id = ?"
@@ -382,7 +393,9 @@ def stats(conn: Connection, path: Path | None) -> StoreStats:
     }
     versions = applied_versions(conn)
     db_bytes = wal_bytes = 0
-    if path is not None:
+    if is_pg(conn):
+        db_bytes = int(conn.execute("SELECT pg_database_size(current_database())").fetchone()[0])
+    elif path is not None:
         db_bytes = path.stat().st_size if path.exists() else 0
         wal = path.with_name(path.name + "-wal")
         wal_bytes = wal.stat().st_size if wal.exists() else 0
@@ -391,9 +404,7 @@ def stats(conn: Connection, path: Path | None) -> StoreStats:
         users=count("SELECT count(*) FROM users"),
         sessions=count("SELECT count(*) FROM sessions"),
         turns=count("SELECT count(*) FROM turns"),
-        # sqlite-vec's rowid shadow table: one row per stored vector, counted without a scan
-        # of the vector chunks.
-        vectors=count("SELECT count(*) FROM turn_vec_rowids"),
+        vectors=vector_count(conn),
         db_bytes=db_bytes,
         wal_bytes=wal_bytes,
         per_user=per_user,
@@ -404,12 +415,17 @@ def now() -> float:
     return time.time()
 
 
+def shared_value(conn: Connection, key: str, value: str) -> str:
+    """The ``meta`` value under ``key``, ``value`` stored there first if none is: the first
+    process that asks decides it for every process on the database (a write)."""
+    conn.execute(
+        "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING", (key, value)
+    )
+    (found,) = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return str(found)
+
+
 def shared_secret(conn: Connection, key: str, size: int = 32) -> bytes:
     """A random secret kept in ``meta`` under ``key``, made by the first process that asks:
-    every process on the database (``--workers``, a restart) gets the same one."""
-    conn.execute(
-        "INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO NOTHING",
-        (key, secrets.token_hex(size)),
-    )
-    (value,) = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    return bytes.fromhex(str(value))
+    every process on the database (``--workers``, a restart, replicas) gets the same one."""
+    return bytes.fromhex(shared_value(conn, key, secrets.token_hex(size)))

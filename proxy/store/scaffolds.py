@@ -53,13 +53,15 @@ def record(
             [(user_id, h, p.kind, p.content, now, now) for h, p in pieces.items()],
         )
         conn.executemany(
-            "INSERT OR IGNORE INTO scaffold_sessions(user_id, hash, session_id) VALUES (?, ?, ?)",
+            "INSERT INTO scaffold_sessions(user_id, hash, session_id) VALUES (?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
             [(user_id, h, session_id) for h in pieces],
         )
     seen = {h for t in turns for h in t.sightings}
     if seen:
         conn.executemany(
-            "INSERT OR IGNORE INTO paragraph_sightings(user_id, hash, session_id) VALUES (?, ?, ?)",
+            "INSERT INTO paragraph_sightings(user_id, hash, session_id) VALUES (?, ?, ?)"
+            " ON CONFLICT DO NOTHING",
             [(user_id, h, session_id) for h in seen],
         )
 

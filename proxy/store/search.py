@@ -1,4 +1,7 @@
-"""Search within one user namespace: FTS5 BM25 and sqlite-vec KNN (synchronous SQL).
+"""Search within one user namespace: FTS5 BM25 and sqlite-vec KNN (synchronous SQL); on
+PostgreSQL ``turns_fts.tsv`` ranked by ``ts_rank_cd`` and pgvector's exact cosine, in
+:mod:`proxy.store.pg.search_sql` (same scopes and filters, same result shape; no probe, no bit
+vectors: ``quantized`` is the exact plan there, and no statistics span users).
 
 Both return ``(turn id, score)`` best first and are confined to ``user_id``. With
 ``session_ids=None`` they cover the user's sessions whose ``indexed`` flag is set; with a list,
@@ -51,7 +54,9 @@ from typing import Any, Literal
 import numpy as np
 
 from proxy.store.db import Connection
+from proxy.store.dialect import is_pg, texts_in
 from proxy.store.indexing import check_vector
+from proxy.store.pg import search_sql
 from proxy.store.rows import json_list
 from proxy.vectors import Vector, as_vector, to_blob
 
@@ -117,7 +122,11 @@ def fts_search(
         raise ValueError(f"weights needs {len(FTS_WEIGHTS)} values (body, ctx, date)")
     w = [float(x) for x in weights]
     excluded = set(exclude_ids)
-    joins, where, scope_args = _fts_scope(user_id, session_ids, exclude_sessions, exclude_roles)
+    joins, where, scope_args = _fts_scope(
+        conn, user_id, session_ids, exclude_sessions, exclude_roles
+    )
+    if is_pg(conn):  # turns_fts.tsv, ranked by ts_rank_cd (proxy.store.pg.search_sql)
+        return search_sql.fts_search(conn, match, limit, w, joins, where, scope_args, excluded)
     if probe_first:
         probe = max(FTS_PROBE_MIN, FTS_PROBE_FACTOR * (limit + len(excluded)))
         best = conn.execute(
@@ -151,6 +160,7 @@ def fts_search(
 
 
 def _fts_scope(
+    conn: Connection,
     user_id: str,
     session_ids: Sequence[str] | None,
     exclude_sessions: Sequence[str],
@@ -165,13 +175,13 @@ def _fts_scope(
         joins = " JOIN sessions s ON s.id = t.session_id"
         where += " AND s.indexed = 1"
     else:
-        where += " AND t.session_id IN (SELECT value FROM json_each(?))"
+        where += f" AND t.session_id IN {texts_in(conn)}"
         args.append(json_list(session_ids))
     if exclude_sessions:
-        where += " AND t.session_id NOT IN (SELECT value FROM json_each(?))"
+        where += f" AND t.session_id NOT IN {texts_in(conn)}"
         args.append(json_list(exclude_sessions))
     if exclude_roles:
-        where += " AND t.role NOT IN (SELECT value FROM json_each(?))"
+        where += f" AND t.role NOT IN {texts_in(conn)}"
         args.append(json_list(exclude_roles))
     return joins, where, args
 
@@ -203,6 +213,10 @@ def vec_search(
     query = to_blob(check_vector(vec, dim))
     excluded = set(exclude_ids)
     skip_sessions = list(dict.fromkeys(exclude_sessions))
+    if is_pg(conn):  # exact, every filter in the query; no bit vectors (quantized: exact)
+        return search_sql.vec_search(
+            conn, user_id, query, limit, session_ids, excluded, skip_sessions, exclude_roles
+        )
     in_knn, after_knn = skip_sessions[:VEC_EXCLUDE_IN_KNN], skip_sessions[VEC_EXCLUDE_IN_KNN:]
     want = limit + len(excluded)
     if after_knn:  # filtered after the KNN: ask for as many more rows as they could take

@@ -1,12 +1,13 @@
 """The store's search face (a mixin of :class:`~proxy.store.store.Store`): BM25, KNN, word shares.
 
 Each path answers from the users' caches in memory when they are held (:mod:`.term_cache`,
-:mod:`.vec_cache`) and from SQLite (FTS5, vec0) when not. :meth:`Searching.fts_candidates` and
-:meth:`Searching.vec_candidates` are what a search runs: each path in *one* reader job, its
-candidates' rows included (the word shares, the ranking and the rows were three hops of the
-event loop to a reader and back; on a 2-core machine each hop is paid in wall time while the
-loop's own Python holds the GIL). ``fts_search``, ``vec_search`` and ``fts_word_shares`` are
-the same work one part at a time.
+:mod:`.vec_cache`; the same ranking on both backends) and from the database when not (FTS5 and
+vec0 on SQLite, ``tsvector`` and pgvector on PostgreSQL: :mod:`.pg.search_sql`).
+:meth:`Searching.fts_candidates` and :meth:`Searching.vec_candidates` are what a search runs:
+each path in *one* reader job, its candidates' rows included (the word shares, the ranking and
+the rows were three hops of the event loop to a reader and back; on a 2-core machine each hop
+is paid in wall time while the loop's own Python holds the GIL). ``fts_search``, ``vec_search``
+and ``fts_word_shares`` are the same work one part at a time.
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from proxy.store import (
+    backend,
     changes,
     indexing,
     queries,
@@ -63,11 +64,11 @@ from proxy.store import (
     warm,
     word_counts,
 )
-from proxy.store.db import Connection, connect
+from proxy.store.db import Connection
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
-from proxy.store.migrations import migrate
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
+from proxy.store.pg.follow import PgFollower
 from proxy.store.scrub import Scrubber
 from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
 from proxy.store.searching import Searching
@@ -93,7 +94,11 @@ class Store(Searching):
     ) -> None:
         if str(path) == ":memory:":
             raise ValueError("the store needs a file: readers and writer use separate connections")
-        self.path = Path(path)
+        self.pg = backend.is_url(path)
+        self.target: str | Path = str(path) if self.pg else Path(path)
+        self.path = Path(path) if not self.pg else None  # the SQLite file
+        self.backend = backend.name(path)
+        self.display = backend.display(path)  # a URL without its password
         self._readers = max(1, readers)
         self._vec_mode: VecMode = vec_mode
         self._quantized_above = quantized_above
@@ -111,8 +116,9 @@ class Store(Searching):
         self._words = word_counts.UserWordCounts()
         self.vectors = vec_cache.VectorCache(vec_memory)  # the exact KNN in numpy
         self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy
-        self.follower = changes.Follower(self.terms, self.vectors)  # other processes' writes
-        self.loader = warm.Loader(self.path)  # loads those caches beside the readers
+        follower = PgFollower if self.pg else changes.Follower
+        self.follower = follower(self.terms, self.vectors)  # other processes' writes
+        self.loader = warm.Loader(self.target)  # loads those caches beside the readers
         self._words.again = lambda: self.loader.submit(self._words.run)  # words queued meanwhile
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
@@ -130,11 +136,13 @@ class Store(Searching):
         self.loader.start()
 
         def _open_writer() -> None:
-            conn = connect(self.path)  # creates the file 0600, its folder 0700 if missing
+            # a SQLite file is created 0600, its folder 0700 if missing
+            conn = backend.open_connection(self.target)
             try:
-                migrate(conn)
-                vec_cache.install_triggers(conn)
-                term_cache.install_triggers(conn)
+                backend.migrate(conn)
+                if not self.pg:  # on PostgreSQL the writer catches up after each commit
+                    vec_cache.install_triggers(conn)
+                    term_cache.install_triggers(conn)
                 self.follower.install(conn)
                 self.vec_dim = vectable.table_dim(conn)
             except BaseException:
@@ -184,7 +192,7 @@ class Store(Searching):
         await self.close()
 
     def _open_reader(self) -> None:
-        conn = connect(self.path, readonly=True)
+        conn = backend.open_connection(self.target, readonly=True)
         self._local.conn = conn
         with self._conns_lock:
             self._reader_conns.append(conn)
@@ -228,6 +236,8 @@ class Store(Searching):
                     conn, lambda c: self.vectors.run_write(c, guarded, transaction)
                 )
                 ok = True
+                if self.pg:  # this write's changes reach the caches as others' do
+                    follower.catch_up(conn)
                 return result
             finally:
                 follower.write_ended(ok)

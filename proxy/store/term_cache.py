@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from proxy.store.db import Connection
 from proxy.store.rows import json_list
 from proxy.store.scope import claim_load, in_scope
-from proxy.store.term_index import TURNS_SQL, LoadStopped, TermIndex
+from proxy.store.term_index import LoadStopped, TermIndex, turns_of_ids_sql, turns_sql
 
 log = logging.getLogger("engram.store")
 
@@ -158,7 +158,7 @@ class TermCache:
         owner = dict(turns)
         by_user: dict[str, list[tuple[Any, ...]]] = {}
         for row in conn.execute(
-            TURNS_SQL + ", (SELECT value FROM json_each(?)) a WHERE t.id = a.value ORDER BY t.id",
+            turns_of_ids_sql(conn) + " ORDER BY t.id",
             (json_list(added),),
         ):
             by_user.setdefault(owner[int(row[0])], []).append(tuple(row))
@@ -239,7 +239,7 @@ class TermCache:
         done, t0 = False, time.perf_counter()
         try:
             built = TermIndex()
-            sql = TURNS_SQL + " WHERE t.user_id = ? AND t.fts_pending = 0 ORDER BY t.id"
+            sql = turns_sql(conn) + " WHERE t.user_id = ? AND t.fts_pending = 0 ORDER BY t.id"
             built.add([tuple(r) for r in conn.execute(sql, (user_id,))], lambda: self.closing)
             while True:  # then what was indexed while it read, until nothing more came
                 with self._lock:
@@ -258,8 +258,7 @@ class TermCache:
                         return
                     self._loading[user_id] = []
                 more = conn.execute(
-                    TURNS_SQL + ", (SELECT value FROM json_each(?)) a"
-                    " WHERE t.id = a.value AND t.fts_pending = 0 ORDER BY t.id",
+                    turns_of_ids_sql(conn) + " AND t.fts_pending = 0 ORDER BY t.id",
                     (json_list(pending),),
                 )
                 built.add([tuple(r) for r in more])

@@ -23,9 +23,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from proxy.store.db import driver
+from proxy.store.db import Connection, driver
+from proxy.store.dialect import ids_in, is_pg
 from proxy.store.fts_sql import CTX_CHARS, CTX_TURNS, body_sql, date_sql
 from proxy.store.migrations import FTS_TOKENIZE
+from proxy.store.pg.schema import _body as pg_body
+from proxy.store.pg.schema import _date as pg_date
 from proxy.store.scope import Codes
 
 K1 = 1.2
@@ -42,6 +45,24 @@ TURNS_SQL = (
     " FROM turns t JOIN sessions s ON s.id = t.session_id"
 )
 """The columns :meth:`TermIndex.add` takes, for a ``WHERE`` to follow."""
+PG_TURNS_SQL = (
+    f"SELECT t.id, t.session_id, t.position, t.role, s.indexed, {pg_body('t')}, {pg_date('t')}"
+    " FROM turns t JOIN sessions s ON s.id = t.session_id"
+)
+"""The same on PostgreSQL: the body and date words as its ``turns_fts`` triggers write them."""
+
+
+def turns_sql(conn: Connection) -> str:
+    """:data:`TURNS_SQL` for ``conn``'s backend."""
+    return PG_TURNS_SQL if is_pg(conn) else TURNS_SQL
+
+
+def turns_of_ids_sql(conn: Connection) -> str:
+    """:func:`turns_sql` of the turns whose ids one JSON-array parameter holds, by id; ``AND``
+    may follow."""
+    if is_pg(conn):
+        return PG_TURNS_SQL + f" WHERE t.id IN {ids_in(conn)}"
+    return TURNS_SQL + ", (SELECT value FROM json_each(?)) a WHERE t.id = a.value"
 
 
 class LoadStopped(Exception):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from proxy.store import vec_cache
 from proxy.store.db import Connection
+from proxy.store.dialect import ids_in, is_pg, texts_in
 from proxy.store.rows import json_list
 from proxy.vectors import Vector, from_blob, to_blob
 
@@ -57,8 +58,28 @@ def vec_table_sql(dim: int, name: str = "turn_vec") -> str:
     )
 
 
+def pg_vec_table_sql(dim: int, name: str = "turn_vec") -> list[str]:
+    """``turn_vec`` on PostgreSQL: a plain table of pgvector values, exact search per user."""
+    if dim < 1:
+        raise ValueError("a vector table needs at least one dimension")
+    return [
+        f"CREATE TABLE {name} (turn_id bigint PRIMARY KEY REFERENCES turns(id)"
+        ' ON DELETE CASCADE, user_id text COLLATE "C" NOT NULL, session_id text COLLATE "C",'
+        f" indexed bigint, embedding vector({dim}) NOT NULL)",
+        f"CREATE INDEX {name}_user ON {name}(user_id)",
+    ]
+
+
 def table_dim(conn: Connection) -> int:
     """The dimension of ``turn_vec``, read from its schema."""
+    if is_pg(conn):
+        found = conn.execute(
+            "SELECT atttypmod FROM pg_attribute"
+            " WHERE attrelid = to_regclass('turn_vec') AND attname = 'embedding'"
+        ).fetchone()
+        if found is None or int(found[0]) < 1:
+            raise RuntimeError("the database has no turn_vec table of vectors")
+        return int(found[0])
     row = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'turn_vec'").fetchone()
     match = _DIM_RE.search(str(row[0])) if row is not None else None
     if match is None:
@@ -101,13 +122,15 @@ def stamp_model_id(conn: Connection) -> int | None:
 
 
 def vector_count(conn: Connection) -> int:
-    """Rows of ``turn_vec`` (its rowid shadow table: no scan of the vectors)."""
-    return int(conn.execute("SELECT count(*) FROM turn_vec_rowids").fetchone()[0])
+    """Rows of ``turn_vec`` (on SQLite its rowid shadow table: no scan of the vectors)."""
+    table = "turn_vec" if is_pg(conn) else "turn_vec_rowids"
+    return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
 
 
 def _recreate(conn: Connection, dim: int) -> None:
     conn.execute("DROP TABLE turn_vec")
-    conn.execute(vec_table_sql(dim))
+    for sql in pg_vec_table_sql(dim) if is_pg(conn) else [vec_table_sql(dim)]:
+        conn.execute(sql)
     # every process's vectors go (proxy.store.changes; this one's: vec_cache's journal)
     conn.execute("INSERT INTO changes(user_id, turn_id, kind) VALUES (NULL, NULL, 'changed')")
     vec_cache.changed(None)
@@ -183,6 +206,9 @@ def vector_state(conn: Connection) -> VectorState:
 
 
 def _has_build(conn: Connection) -> bool:
+    if is_pg(conn):
+        found = conn.execute("SELECT to_regclass(?) IS NOT NULL", (BUILD_TABLE,)).fetchone()
+        return bool(found and found[0])
     row = conn.execute(
         "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (BUILD_TABLE,)
     ).fetchone()
@@ -202,11 +228,12 @@ def start_build(conn: Connection, name: str, dim: int) -> bool:
     if _has_build(conn) and _meta(conn, BUILD_KEY) == name:
         return True
     drop_build(conn)
+    pg = is_pg(conn)
     conn.execute(
         f"CREATE TABLE {BUILD_TABLE} ("
-        " turn_id INTEGER PRIMARY KEY,"  # turns.id (no FK: a forgotten turn is skipped at swap)
-        " embed_hash TEXT NOT NULL,"  # text_hash of the text embedded
-        " embedding BLOB NOT NULL)"  # little-endian float32
+        f" turn_id {'bigint' if pg else 'INTEGER'} PRIMARY KEY,"  # turns.id (no FK: a
+        " embed_hash TEXT NOT NULL,"  # forgotten turn is skipped at swap); text_hash embedded
+        f" embedding {'vector' if pg else 'BLOB'} NOT NULL)"  # SQLite: little-endian float32
     )
     conn.execute(f"CREATE INDEX {BUILD_TABLE}_hash ON {BUILD_TABLE}(embed_hash)")
     _set_meta(conn, BUILD_KEY, name)
@@ -232,13 +259,15 @@ def build_ids(conn: Connection) -> list[int]:
 def fill_ids(conn: Connection) -> list[int]:
     """Turns with text whose vector is missing or not of the table's model, shortest first."""
     current = stamp_model_id(conn)
-    return _by_length(conn, "(t.embed_hash IS NULL OR t.embed_model IS NOT ?)", (current,))
+    return _by_length(
+        conn, "(t.embed_hash IS NULL OR t.embed_model IS DISTINCT FROM ?)", (current,)
+    )
 
 
 def turn_texts(conn: Connection, ids: Sequence[int]) -> list[tuple[int, str, str | None, str]]:
     """(id, role, speaker, content) of the turns of ``ids`` that still exist, in that order."""
     rows = conn.execute(
-        "SELECT id, role, speaker, content FROM turns WHERE id IN (SELECT value FROM json_each(?))",
+        f"SELECT id, role, speaker, content FROM turns WHERE id IN {ids_in(conn)}",
         (json_list(ids),),
     ).fetchall()
     found = {int(r[0]): (int(r[0]), str(r[1]), r[2], str(r[3])) for r in rows}
@@ -251,16 +280,18 @@ def known_vectors(conn: Connection, hashes: Sequence[str], *, build: bool) -> di
     wanted = json_list(sorted(set(hashes)))
     out: dict[str, Vector] = {}
     if build:
+        one = "DISTINCT ON (embed_hash) " if is_pg(conn) else ""  # any one per text
+        group = "" if is_pg(conn) else " GROUP BY embed_hash"
         rows = conn.execute(
-            f"SELECT embed_hash, embedding FROM {BUILD_TABLE}"
-            " WHERE embed_hash IN (SELECT value FROM json_each(?)) GROUP BY embed_hash",
+            f"SELECT {one}embed_hash, embedding FROM {BUILD_TABLE}"
+            f" WHERE embed_hash IN {texts_in(conn)}{group}",
             (wanted,),
         )
         return {str(h): from_blob(blob) for h, blob in rows}
     current = stamp_model_id(conn)
     pairs = conn.execute(
-        "SELECT embed_hash, min(id) FROM turns WHERE embed_hash IN (SELECT value FROM json_each(?))"
-        " AND embed_model IS ? GROUP BY embed_hash",
+        f"SELECT embed_hash, min(id) FROM turns WHERE embed_hash IN {texts_in(conn)}"
+        " AND embed_model IS NOT DISTINCT FROM ? GROUP BY embed_hash",
         (wanted, current),
     ).fetchall()
     for h, turn_id in pairs:
@@ -299,9 +330,11 @@ def finish_build(conn: Connection) -> bool:
     (dim,) = conn.execute("SELECT dim FROM embed_models WHERE name = ?", (name,)).fetchone()
     new_id = model_id(conn, name, int(dim))
     _recreate(conn, int(dim))
+    bits = "" if is_pg(conn) else " embedding_bits,"
+    quantized = "" if is_pg(conn) else " vec_quantize_binary(b.embedding),"
     conn.execute(
-        "INSERT INTO turn_vec(turn_id, user_id, embedding, embedding_bits, session_id, indexed)"
-        " SELECT t.id, t.user_id, b.embedding, vec_quantize_binary(b.embedding), t.session_id,"
+        f"INSERT INTO turn_vec(turn_id, user_id, embedding,{bits} session_id, indexed)"
+        f" SELECT t.id, t.user_id, b.embedding,{quantized} t.session_id,"
         f" s.indexed FROM {BUILD_TABLE} b JOIN turns t ON t.id = b.turn_id"
         " JOIN sessions s ON s.id = t.session_id ORDER BY t.user_id, t.id"
     )

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from proxy.store.db import Connection, connect
+from proxy.store.backend import open_connection
+from proxy.store.db import Connection
 from proxy.store.term_cache import TermCache
 from proxy.store.vec_cache import VectorCache
 
@@ -32,8 +33,8 @@ WARM_USERS = 4
 class Loader:
     """One thread, one read-only connection, for work nothing waits for."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: str | Path) -> None:
+        self.path = path  # a SQLite file or a PostgreSQL URL (proxy.store.backend)
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._conns: list[Connection] = []
@@ -42,7 +43,7 @@ class Loader:
         self._pool = ThreadPoolExecutor(1, "engram-db-load", initializer=self._open)
 
     def _open(self) -> None:
-        self._local.conn = connect(self.path, readonly=True)
+        self._local.conn = open_connection(self.path, readonly=True)
         self._conns.append(self._local.conn)
 
     def submit(self, fn: Callable[[Connection], object]) -> None:

@@ -12,7 +12,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from proxy.store.db import Connection, driver
+from proxy.store.dialect import is_pg
 from proxy.store.migrations import FTS_TOKENIZE
+from proxy.store.pg import search_sql
 from proxy.store.rows import json_list
 
 log = logging.getLogger("engram.store")
@@ -42,8 +44,11 @@ def _stems(words: Sequence[str]) -> list[list[str]]:
 def term_rows(conn: Connection, words: Sequence[str]) -> dict[str, int]:
     """How many rows of ``turns_fts`` (all users) hold each word, as a query for it matches.
 
-    A lookup in the ``turns_fts_terms`` vocabulary per term, far cheaper than the search.
+    A lookup in the ``turns_fts_terms`` vocabulary per term, far cheaper than the search. On
+    PostgreSQL a count of the rows whose ``tsv`` the word's query matches (its GIN index).
     """
+    if is_pg(conn):
+        return search_sql.term_rows(conn, words)
     stems = _stems(words)
     wanted = sorted({t for ts in stems for t in ts})
     counts = {
@@ -184,6 +189,8 @@ class UserWordCounts:
 
 def user_term_rows(conn: Connection, user_id: str, word: str) -> int:
     """How many of the user's rows of ``turns_fts`` hold ``word`` (as a query for it matches)."""
+    if is_pg(conn):
+        return search_sql.term_rows(conn, [word], user_id).get(word, 0)
     phrase = '"' + word.replace('"', '""') + '"'
     (n,) = conn.execute(
         "SELECT count(*) FROM turns_fts JOIN turns t ON t.id = turns_fts.rowid"

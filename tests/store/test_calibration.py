@@ -16,8 +16,8 @@ from proxy.tokens import UNCALIBRATED, TokenCounter
 pytestmark = pytest.mark.asyncio
 
 
-async def test_a_process_takes_the_corrections_another_learned(tmp_path: Path) -> None:
-    async with Store(tmp_path / "m.db") as a, Store(tmp_path / "m.db") as b:
+async def test_a_process_takes_the_corrections_another_learned(store_target: str | Path) -> None:
+    async with Store(store_target) as a, Store(store_target) as b:
         ta, tb = TokenCounter(), TokenCounter()
         ta.learn("smollm2", 1000, 1300)  # its factor: 1.3
         ta.learn("smollm2", 1000, 1300 + 10, rendered=8000)  # renders almost none of the tools
@@ -34,8 +34,8 @@ async def test_a_process_takes_the_corrections_another_learned(tmp_path: Path) -
         assert ta.factor("other") == pytest.approx(0.9)  # and takes what it had not
 
 
-async def test_a_broken_stored_value_is_ignored(tmp_path: Path) -> None:
-    async with Store(tmp_path / "m.db") as st:
+async def test_a_broken_stored_value_is_ignored(store_target: str | Path) -> None:
+    async with Store(store_target) as st:
         for junk in ("not json", '["a list"]', '{"ratio": {"m": 1e9, "n": "x", "o": 2.0}}'):
             await st.write(
                 lambda c, j=junk: c.execute(
@@ -50,10 +50,12 @@ async def test_a_broken_stored_value_is_ignored(tmp_path: Path) -> None:
         assert tokens.ratio("o") == 2.0  # in range: taken
 
 
-async def test_a_request_of_an_unlearned_model_reads_what_others_learned(tmp_path: Path) -> None:
+async def test_a_request_of_an_unlearned_model_reads_what_others_learned(
+    store_target: str | Path,
+) -> None:
     """``take`` (before budgeting a model not learned here) reads at once, then at most once a
     second: what another process stored a moment ago counts for this request."""
-    async with Store(tmp_path / "m.db") as a, Store(tmp_path / "m.db") as b:
+    async with Store(store_target) as a, Store(store_target) as b:
         ta, tb = TokenCounter(), TokenCounter()
         mine = Calibration(b, tb)
         await mine.take()  # nothing stored yet

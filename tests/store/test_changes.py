@@ -32,18 +32,33 @@ pytestmark = pytest.mark.asyncio
 Pair = tuple[Store, Store]
 
 
-@pytest_asyncio.fixture
-async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+async def _pair(target: str | Path) -> AsyncIterator[Pair]:
     """(the server, holding user u's terms and vectors; another process on the same file)."""
     rng = np.random.default_rng(3)
-    async with Store(tmp_path / "memory.db", vec_mode="exact") as server:
+    async with Store(target, vec_mode="exact") as server:
         await archive(server, "u", 3)
         ids = await server.read(lambda c: [r[0] for r in c.execute("SELECT id FROM turns")])
         await server.set_vectors([(i, unit(rng), f"h{i}") for i in ids])
         await terms_held(server, "u")
         await vectors_held(server, "u")
-        async with Store(server.path, vec_mode="exact") as other:
+        async with Store(server.target, vec_mode="exact") as other:
             yield server, other
+
+
+@pytest_asyncio.fixture
+async def pair(store_target: str | Path) -> AsyncIterator[Pair]:
+    """Two processes on one SQLite file, or on one PostgreSQL database."""
+    async for both_ in _pair(store_target):
+        yield both_
+
+
+@pytest_asyncio.fixture
+async def sqlite_pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    """Two processes on one SQLite file: for what only SQLite's log does (sequence numbers
+    handed out again after a rollback, pruning by count, a process's own rows marked; the
+    PostgreSQL log's are the test_pg_ ones at the end)."""
+    async for both_ in _pair(tmp_path / "memory.db"):
+        yield both_
 
 
 def loads(st: Store) -> tuple[int, int]:
@@ -122,8 +137,8 @@ async def test_a_vector_replaced_by_another_process_is_replaced_here(pair: Pair)
     assert cached == vec0 and cached[0][0] == turn
 
 
-async def test_its_own_writes_are_never_taken_for_another_process(pair: Pair) -> None:
-    server, _ = pair
+async def test_its_own_writes_are_never_taken_for_another_process(sqlite_pair: Pair) -> None:
+    server, _ = sqlite_pair
     before = loads(server)
     vec = unit(np.random.default_rng(5))
     (mine,) = await server.add_turns("u-s1", "u", [NewTurn(60, "user", "my own narwhal")], [vec])
@@ -133,10 +148,10 @@ async def test_its_own_writes_are_never_taken_for_another_process(pair: Pair) ->
     assert server.follower.applied == 0 and loads(server) == before
 
 
-async def test_a_rolled_back_write_does_not_hide_the_next_writers_change(pair: Pair) -> None:
+async def test_a_rolled_back_write_does_not_hide_the_next_writers_change(sqlite_pair: Pair) -> None:
     """SQLite hands a rolled-back write's sequence numbers to the next writer: the server
     must not take the other process's row for its own."""
-    server, other = pair
+    server, other = sqlite_pair
     before = loads(server)
     top = await server.read(lambda c: c.execute("SELECT max(seq) FROM changes").fetchone()[0])
     await server.get_or_create_session("x", "x-s0")
@@ -159,8 +174,8 @@ async def test_a_rolled_back_write_does_not_hide_the_next_writers_change(pair: P
     assert loads(server) == before
 
 
-async def test_a_process_behind_the_pruned_log_starts_again(pair: Pair) -> None:
-    server, other = pair
+async def test_a_process_behind_the_pruned_log_starts_again(sqlite_pair: Pair) -> None:
+    server, other = sqlite_pair
     await other.get_or_create_session("u", "u-new")
     await other.add_turns("u-new", "u", [NewTurn(0, "user", "a heron on one leg")])
     await other.write(lambda c: c.execute("DELETE FROM changes"))  # as if pruned unread
@@ -173,9 +188,9 @@ async def test_a_process_behind_the_pruned_log_starts_again(pair: Pair) -> None:
 
 
 async def test_a_process_more_than_a_batch_behind_starts_again(
-    pair: Pair, monkeypatch: pytest.MonkeyPatch
+    sqlite_pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server, other = pair
+    server, other = sqlite_pair
     monkeypatch.setattr(changes, "BATCH", 3)
     await other.get_or_create_session("u", "u-new")
     await other.add_turns("u-new", "u", [NewTurn(i, "user", f"crab number {i}") for i in range(5)])
@@ -221,11 +236,11 @@ async def test_a_vector_already_held_is_not_taken_for_a_replaced_one(pair: Pair)
     assert server.vectors.get("u") is None  # stale: dropped, loaded again on demand
 
 
-async def test_what_another_process_deletes_is_told_with_its_sessions(pair: Pair) -> None:
+async def test_what_another_process_deletes_is_told_with_its_sessions(sqlite_pair: Pair) -> None:
     """A forget elsewhere reaches ``on_deleted`` (the server's views of those turns go too:
     tests/proxy/test_workers.py), on the usual path and on the path of a process too far behind
     (the log still names them), and as "anything" once the log no longer has them."""
-    server, other = pair
+    server, other = sqlite_pair
     told: list[Any] = []
     server.follower.on_deleted = told.append
     gone = await session_ids(server, "u-s1")
@@ -292,3 +307,73 @@ async def test_caches_stay_exact_while_both_processes_write_and_one_loads(
     assert len(found) == 80
     index = server.terms._users["u"]
     assert len(index.held) == index.n == len(set(index.ids[: index.n].tolist()))
+
+
+# -- the PostgreSQL log (proxy/store/pg/follow.py) ---------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def pg_pair(pg_server: Any) -> AsyncIterator[Pair]:
+    """Two processes on one PostgreSQL database."""
+    from tests.store.conftest import new_database
+
+    async for both_ in _pair(new_database(pg_server)):
+        yield both_
+
+
+async def test_pg_a_turn_another_process_writes_is_found_after_follow_then_forgotten(
+    pg_pair: Pair,
+) -> None:
+    server, other = pg_pair
+    before = loads(server)
+    vec = unit(np.random.default_rng(12))
+    await other.get_or_create_session("u", "u-new")
+    (new,) = await other.add_turns("u-new", "u", [NewTurn(0, "user", "a manatee grazing")], [vec])
+    assert await server.follow() >= 2  # its full-text row and its vector, read from the log
+    assert server.terms.held("u") and server.vectors.get("u") is not None
+    assert [i for i, _ in await server.fts_search("u", '"manatee"', 5)] == [new]
+    cached, vec0 = await both(server, "u", vec, 3)
+    assert cached == vec0 and cached[0][0] == new
+    assert loads(server) == before  # appended: nothing loaded again
+    await check_all(server, "u")
+    await other.write(lambda c: c.execute("DELETE FROM turns WHERE id = ?", (new,)))
+    await server.follow()
+    assert not server.terms.held("u") and server.vectors.get("u") is None  # dropped
+    assert await server.fts_search("u", '"manatee"', 5) == []
+    assert new not in {i for i, _ in await server.vec_search("u", vec, 5)}
+
+
+async def test_pg_a_transaction_committing_after_a_later_one_is_not_skipped(
+    pg_pair: Pair,
+) -> None:
+    """Two writers: the first takes the lower log sequence (and turn id) and commits last.
+    Reading "past the last seq seen" would skip it; the follower reads by transaction."""
+    from proxy.store import backend
+
+    server, other = pg_pair
+    for session in ("u-first", "u-second"):
+        await other.get_or_create_session("u", session)
+    first = backend.open_connection(server.target)
+    second = backend.open_connection(server.target)
+    try:
+        now = time.time()
+        first.execute("BEGIN")
+        ((early, _),) = queries.insert_turns(
+            first, "u-first", "u", [NewTurn(0, "user", "a dugong, written first")], None, now
+        )
+        second.execute("BEGIN")
+        ((late, _),) = queries.insert_turns(
+            second, "u-second", "u", [NewTurn(0, "user", "a dugong, committed first")], None, now
+        )
+        assert early < late
+        second.execute("COMMIT")
+        await server.follow()
+        assert [i for i, _ in await server.fts_search("u", '"dugong"', 5)] == [late]
+        first.execute("COMMIT")
+        await server.follow()
+        assert sorted(i for i, _ in await server.fts_search("u", '"dugong"', 5)) == [early, late]
+        assert server.terms.held("u")
+        await check_all(server, "u")
+    finally:
+        first.close()
+        second.close()

@@ -22,9 +22,9 @@ TOOL_ROLES = ["tool", "function"]
 
 
 @pytest_asyncio.fixture
-async def retriever(tmp_path: Path) -> AsyncIterator[Retriever]:
+async def retriever(store_target: str | Path) -> AsyncIterator[Retriever]:
     embedder = HashEmbedder()
-    async with Store(tmp_path / "memory.db") as store:
+    async with Store(store_target) as store:
         await store.get_or_create_session("u", "s")
         texts = [
             *(("tool", "beagle puppy beagle puppy kennel listing") for _ in range(6)),
@@ -54,7 +54,7 @@ def unit(v: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("vec_mode", ["exact", "quantized"])
 async def test_vector_search_asks_for_more_rows_until_k_others(
-    tmp_path: Path, vec_mode: str
+    store_target: str | Path, vec_mode: str
 ) -> None:
     rng = np.random.default_rng(7)
     query = unit(rng.standard_normal(EMBED_DIM))
@@ -62,7 +62,7 @@ async def test_vector_search_asks_for_more_rows_until_k_others(
     # user turns further off.
     near = [unit(query + 0.05 * rng.standard_normal(EMBED_DIM)) for _ in range(300)]
     far = [unit(query + 0.6 * rng.standard_normal(EMBED_DIM)) for _ in range(3)]
-    async with Store(tmp_path / "m.db", vec_mode=vec_mode) as store:  # type: ignore[arg-type]
+    async with Store(store_target, vec_mode=vec_mode) as store:  # type: ignore[arg-type]
         await store.get_or_create_session("u", "s")
         turns = [NewTurn(i, "tool", f"output {i}") for i in range(300)]
         turns += [NewTurn(300 + i, "user", f"note {i}") for i in range(3)]

@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest_asyncio.fixture
-async def two(tmp_path: Path) -> AsyncIterator[tuple[Store, Store]]:
-    async with Store(tmp_path / "memory.db") as a, Store(tmp_path / "memory.db") as b:
+async def two(store_target: str | Path) -> AsyncIterator[tuple[Store, Store]]:
+    async with Store(store_target) as a, Store(store_target) as b:
         yield a, b
 
 
@@ -88,8 +88,10 @@ asyncio.run(main())
 """
 
 
-async def test_a_holder_killed_mid_job_leaves_the_item_to_another(tmp_path: Path) -> None:
-    db = tmp_path / "memory.db"
+async def test_a_holder_killed_mid_job_leaves_the_item_to_another(
+    store_target: str | Path,
+) -> None:
+    db = store_target
     async with Store(db):
         pass  # migrated before the holder starts
     proc = await asyncio.create_subprocess_exec(

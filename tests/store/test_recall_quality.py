@@ -30,13 +30,13 @@ CONVERSATION = 6
 MIN_R10, MIN_R5 = 0.84, 0.76
 
 
-async def _recall(tmp_path: Path) -> dict[str, tuple[float, float]]:
+async def _recall(store_target: str | Path) -> dict[str, tuple[float, float]]:
     convs, questions, _ = load_locomo(DEFAULT_LOCOMO)
     conv = convs[CONVERSATION]
     asked = [q for q in questions if q.conversation == CONVERSATION]
     embedder = create_embedder()
     try:
-        async with Store(tmp_path / "locomo.db") as store:
+        async with Store(store_target) as store:
             await import_turns(store, embedder, locomo_records(conv), via="importer")
             stored = []
             for n in sorted({t.session for t in conv.turns}):
@@ -59,8 +59,8 @@ async def _recall(tmp_path: Path) -> dict[str, tuple[float, float]]:
 
 @pytest.mark.asyncio
 @pytest.mark.skipif(not DEFAULT_LOCOMO.is_file(), reason=f"LoCoMo data not at {DEFAULT_LOCOMO}")
-async def test_hybrid_recall_on_a_held_out_locomo_conversation(tmp_path: Path) -> None:
-    got = await _recall(tmp_path)
+async def test_hybrid_recall_on_a_held_out_locomo_conversation(store_target: str | Path) -> None:
+    got = await _recall(store_target)
     r5, r10 = got["hybrid"]
     assert r10 >= MIN_R10, got
     assert r5 >= MIN_R5, got

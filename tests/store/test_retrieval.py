@@ -16,9 +16,9 @@ from proxy.store import NewTurn, Store
 
 
 @pytest_asyncio.fixture
-async def retriever(tmp_path: Path) -> AsyncIterator[Retriever]:
+async def retriever(store_target: str | Path) -> AsyncIterator[Retriever]:
     embedder = HashEmbedder()
-    async with Store(tmp_path / "memory.db") as store:
+    async with Store(store_target) as store:
         for s, texts in {
             "current": ["my beagle puppy chewed the sofa", "oh no, the beagle again"],
             "older": ["we adopted a beagle puppy last spring", "what breed?", "a beagle"],
@@ -45,8 +45,8 @@ async def test_exclude_sessions_frees_the_candidate_places(retriever: Retriever,
 
 
 @pytest.mark.asyncio
-async def test_word_shares_count_rows_as_fts5_matches_them(tmp_path: Path) -> None:
-    async with Store(tmp_path / "m.db") as store:
+async def test_word_shares_count_rows_as_fts5_matches_them(store_target: str | Path) -> None:
+    async with Store(store_target) as store:
         await store.get_or_create_session("u", "s")
         texts = ["I painted the fence", "painting is fun", "hello there", "hello again"]
         await store.add_turns("s", "u", [NewTurn(i, "user", t) for i, t in enumerate(texts)])
@@ -59,9 +59,9 @@ async def test_word_shares_count_rows_as_fts5_matches_them(tmp_path: Path) -> No
 
 @pytest.mark.asyncio
 async def test_words_most_turns_hold_are_left_out_of_the_fts_query(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with Store(tmp_path / "m.db") as store:
+    async with Store(store_target) as store:
         for s in range(12):  # one turn a session: no neighbours, so shares are plain
             await store.get_or_create_session("u", f"s{s}")
             text = "hello beagle" if s == 3 else f"hello number {s}"

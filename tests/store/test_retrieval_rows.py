@@ -19,9 +19,9 @@ TEXTS = [f"the beagle puppy number {i} chewed sofa {i % 3}" for i in range(30)]
 
 
 @pytest.mark.asyncio
-async def test_hits_are_the_stored_turns_and_keep_is_asked_little(tmp_path: Path) -> None:
+async def test_hits_are_the_stored_turns_and_keep_is_asked_little(store_target: str | Path) -> None:
     embedder = HashEmbedder()
-    async with Store(tmp_path / "memory.db") as store:
+    async with Store(store_target) as store:
         await store.get_or_create_session("u", "s")
         await store.get_or_create_session("v", "t")
         turns = [NewTurn(i, "user", t, speaker="Ann") for i, t in enumerate(TEXTS)]

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 from proxy.search.embedder import HashEmbedder
-from proxy.search.fts_query import to_match
+from proxy.search.fts_query import match_of, to_match
 from proxy.store import (
     NewTurn,
     SessionConflict,
@@ -29,8 +29,8 @@ DIM = 384
 
 
 @pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    async with Store(tmp_path / "memory.db") as s:
+async def store(store_target: str | Path) -> AsyncIterator[Store]:
+    async with Store(store_target) as s:
         yield s
 
 
@@ -195,6 +195,29 @@ async def test_fts_search_scopes(store: Store, embedder: HashEmbedder) -> None:
     assert len(sub_only) == 1 and sub_only[0][0] not in a2
     assert await store.fts_search("alice", match, 0) == []
     assert await store.fts_search("carol", match, 10) == []
+
+
+@pytest.mark.asyncio
+async def test_fts_search_takes_any_words_quoted(store_target: str | Path) -> None:
+    """Words with the query syntax of FTS5 or of PostgreSQL's tsquery (``& | ! : * ( ) '``),
+    stop words alone, backslashes: found or not, never an error; in the database's index
+    (``fts_memory=0``) as in memory."""
+    words = ["o'brien", "a&b", "x:*", "(beagle)", "!", "\\", "the", "don't", "naïve", "||"]
+    for fts_memory in (0, 1 << 20):
+        async with Store(store_target, fts_memory=fts_memory) as s:
+            await s.get_or_create_session("u", "s")
+            (tid,) = await s.add_turns("s", "u", [NewTurn(0, "user", "O'Brien's naïve beagle")])
+            for word in words:
+                match = match_of([word])
+                assert match is not None
+                hits = await s.fts_search("u", match, 5)
+                assert [i for i, _ in hits] in ([], [tid]), word
+            everything = match_of(words)
+            assert everything is not None
+            assert [i for i, _ in await s.fts_search("u", everything, 5)] == [tid]
+            if s.pg:  # any other text: its words, never tsquery syntax
+                assert [i for i, _ in await s.fts_search("u", "beagle & !(x:*", 5)] == [tid]
+            await s.write(lambda c: c.execute("DELETE FROM turns"))
 
 
 @pytest.mark.asyncio

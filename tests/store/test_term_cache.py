@@ -15,8 +15,9 @@ import pytest
 import pytest_asyncio
 
 from proxy.search.fts_query import match_of, query_words
-from proxy.store import NewTurn, Store, indexing, queries
+from proxy.store import NewTurn, Store, backend, indexing, queries
 from proxy.store.db import Connection, driver
+from proxy.store.migrations import FTS_TOKENIZE
 from proxy.store.term_index import K1, B, terms_of
 
 pytestmark = pytest.mark.asyncio
@@ -78,21 +79,36 @@ async def held(st: Store, user: str) -> None:
 
 
 def reference(
-    path: Path, user: str, terms: Sequence[str], weights: Sequence[float], scope_sql: str
+    st: Store, user: str, terms: Sequence[str], weights: Sequence[float], scope_sql: str
 ) -> list[tuple[int, float]]:
     """BM25 as FTS5 defines it over the user's rows of ``turns_fts``, each row's tokens read
     from FTS5 itself (``fts5vocab`` instance), with the user's own statistics; the rows
-    ``scope_sql`` (a query of turn ids) selects, best first, ties by id."""
-    conn: Connection = driver().module.connect(str(path))
+    ``scope_sql`` (a query of turn ids) selects, best first, ties by id. On PostgreSQL the rows
+    are its ``turns_fts`` texts (as its triggers wrote them), tokenized by an FTS5 table of the
+    same tokenizer."""
+    if st.pg:
+        db: Connection = backend.open_connection(st.target, readonly=True)
+        conn: Connection = driver().module.connect(":memory:")
+    else:
+        db = conn = driver().module.connect(str(st.path))
     try:
-        conn.execute("CREATE VIRTUAL TABLE temp.inst USING fts5vocab(main, turns_fts, instance)")
         mine = {
             int(r[0])
-            for r in conn.execute(
+            for r in db.execute(
                 "SELECT id FROM turns WHERE user_id = ? AND fts_pending = 0", (user,)
             )
         }
-        scope = {int(r[0]) for r in conn.execute(scope_sql, (user,))}
+        scope = {int(r[0]) for r in db.execute(scope_sql, (user,))}
+        if st.pg:
+            conn.execute(
+                "CREATE VIRTUAL TABLE turns_fts USING fts5(body, ctx, date,"
+                f" tokenize = '{FTS_TOKENIZE}')"
+            )
+            conn.executemany(
+                "INSERT INTO turns_fts(rowid, body, ctx, date) VALUES (?, ?, ?, ?)",
+                db.execute("SELECT turn_id, body, ctx, date FROM turns_fts").fetchall(),
+            )
+        conn.execute("CREATE VIRTUAL TABLE temp.inst USING fts5vocab(main, turns_fts, instance)")
         count: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0, 0])
         size: dict[int, int] = defaultdict(int)
         column = {"body": 0, "ctx": 1, "date": 2}
@@ -102,6 +118,8 @@ def reference(
                 size[int(doc)] += 1
     finally:
         conn.close()
+        if st.pg:
+            db.close()
     n = len(mine)
     avgdl = sum(size.values()) / n
     score: dict[int, float] = defaultdict(float)
@@ -148,15 +166,15 @@ async def check_all(st: Store, user: str, **kw: Any) -> int:
         assert terms is not None
         for filters, scope in cases:
             got = await st.fts_search(user, match, 12, **filters)
-            want = reference(st.path, user, terms, (1.0, 0.3, 1.0), scope)
+            want = reference(st, user, terms, (1.0, 0.3, 1.0), scope)
             same(got, want, 12)
             seen += len(got)
     return seen
 
 
 @pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    async with Store(tmp_path / "memory.db") as st:
+async def store(store_target: str | Path) -> AsyncIterator[Store]:
+    async with Store(store_target) as st:
         await archive(st, "u", 5, indexed_last=False)
         await archive(st, "other", 2)
         await held(st, "u")
@@ -237,10 +255,12 @@ async def test_another_users_archive_does_not_move_mine(store: Store) -> None:
             None, T0)
     )  # fmt: skip
     assert await store.fts_search("u", query, 20) == before
-    # FTS5's statistics span every user: the same query there does move
+    # FTS5's statistics span every user: the same query there does move; PostgreSQL's
+    # ts_rank_cd has no statistics across rows: it does not
     fts5 = await store.read(lambda c: _fts5(c, "u", query))
     await archive(store, "third", 1)
-    assert await store.read(lambda c: _fts5(c, "u", query)) != fts5
+    after = await store.read(lambda c: _fts5(c, "u", query))
+    assert (after == fts5) if store.pg else (after != fts5)
 
 
 def _fts5(c: Connection, user: str, match: str) -> list[tuple[int, float]]:
@@ -249,8 +269,8 @@ def _fts5(c: Connection, user: str, match: str) -> list[tuple[int, float]]:
     return fts_search(c, user, match, 20, session_ids=None, exclude_ids=())
 
 
-async def test_fts_memory_zero_keeps_every_search_in_fts5(tmp_path: Path) -> None:
-    async with Store(tmp_path / "m.db", fts_memory=0) as st:
+async def test_fts_memory_zero_keeps_every_search_in_fts5(store_target: str | Path) -> None:
+    async with Store(store_target, fts_memory=0) as st:
         await archive(st, "u", 2)
         for _ in range(20):
             assert await st.fts_search("u", '"lake"', 3)
@@ -273,7 +293,7 @@ async def test_turns_another_process_imports_are_found(store: Store) -> None:
     has the rest of it)."""
     assert store.terms.held("u")
     before = store.terms.loads
-    async with Store(store.path) as importer:
+    async with Store(store.target) as importer:
         await importer.get_or_create_session("u", "u-imported")
         await importer.add_turns("u-imported", "u", [NewTurn(0, "user", "a narwhal in the bay")])
     found = await store.fts_search("u", '"narwhal"', 5)
@@ -289,7 +309,7 @@ async def test_turns_another_process_imports_are_found(store: Store) -> None:
 
 
 async def test_turns_indexed_while_a_user_loads_in_the_background_are_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A user too big to load on the spot (here: any) is loaded on the loader thread while
     FTS5 answers; turns committed during that load are added once it is in, none twice."""
@@ -298,7 +318,7 @@ async def test_turns_indexed_while_a_user_loads_in_the_background_are_kept(
     monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)
     monkeypatch.setattr(term_index, "LOAD_CHUNK", 1)  # a slow load: one turn per statement
     during = 0
-    async with Store(tmp_path / "memory.db") as st:
+    async with Store(store_target) as st:
         await archive(st, "u", 30)
         assert await st.fts_search("u", '"lake"', 5)  # FTS5's answer; the load starts
         assert not st.terms.held("u")

@@ -25,10 +25,10 @@ async def one_turn_sessions(store: Store, user: str, texts: list[str]) -> None:
 
 
 async def test_another_users_archive_takes_no_word_out_of_my_queries(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(retrieval, "COMMON_WORDS_ABOVE", 3)
-    async with Store(tmp_path / "m.db") as store:
+    async with Store(store_target) as store:
         await one_turn_sessions(store, "big", [f"hello number {i}" for i in range(40)])
         await one_turn_sessions(store, "tiny", ["hello there", "beagle walks", "cats", "dogs"])
         r = Retriever(store, None, RetrievalSettings(fts_common_share=0.5))
@@ -51,10 +51,10 @@ async def test_another_users_archive_takes_no_word_out_of_my_queries(
 
 
 async def test_alone_in_the_database_the_index_counts_are_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(retrieval, "COMMON_WORDS_ABOVE", 3)
-    async with Store(tmp_path / "m.db") as store:
+    async with Store(store_target) as store:
         await one_turn_sessions(store, "me", [f"hello number {i}" for i in range(9)] + ["beagle"])
         r = Retriever(store, None, RetrievalSettings(fts_common_share=0.5))
         assert await r._uncommon("me", ["hello", "beagle"]) == ["beagle"]  # at once
@@ -87,10 +87,10 @@ def count_reads(store: Store) -> list[int]:
     return reads
 
 
-async def test_a_user_below_the_bar_costs_no_read_once_counted(tmp_path: Path) -> None:
+async def test_a_user_below_the_bar_costs_no_read_once_counted(store_target: str | Path) -> None:
     """Below ``min_turns`` the shares are empty; once the user's count is known (and recent),
     no reader thread is asked for them: a chat request below the bar saves a thread hop."""
-    async with Store(tmp_path / "m.db") as store:
+    async with Store(store_target) as store:
         await one_turn_sessions(store, "tiny", ["hello there", "beagle walks"])
         assert await store.fts_word_shares("tiny", ["hello"], min_turns=10) == {}
         reads = count_reads(store)
@@ -103,11 +103,11 @@ async def test_a_user_below_the_bar_costs_no_read_once_counted(tmp_path: Path) -
 
 
 @pytest.mark.asyncio
-async def test_remembered_shares_cost_no_read(tmp_path: Path) -> None:
+async def test_remembered_shares_cost_no_read(store_target: str | Path) -> None:
     """Once the user's count, the database's and each word's count in the index are known
     (and recent), the shares come from memory: no reader hop before the search starts, and
     the same answer as the read gave."""
-    async with Store(tmp_path / "m.db") as store:
+    async with Store(store_target) as store:
         await one_turn_sessions(store, "u", ["hello there", "hello beagle", "quiet walks"])
         first = await store.fts_word_shares("u", ["hello", "beagle"], min_turns=2, above=1.0)
         assert first == {"hello": pytest.approx(2 / 3), "beagle": pytest.approx(1 / 3)}
@@ -119,14 +119,14 @@ async def test_remembered_shares_cost_no_read(tmp_path: Path) -> None:
 
 
 async def test_a_word_queued_while_the_count_runs_is_counted_without_another_search(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A search that queues a word while the background count is running does not start
     another count (one runs); the running count must then queue itself again, or the word
     waits for the next search (what made the test above fail now and then)."""
     from proxy.store import word_counts
 
-    async with Store(tmp_path / "m.db") as store:
+    async with Store(store_target) as store:
         await one_turn_sessions(store, "u", ["hello there", "beagle walks"])
         words = store._words
         real = word_counts.user_term_rows

@@ -39,7 +39,10 @@ async def held(store: Store, user: str) -> None:
 
 
 async def both(store: Store, user: str, q: Vector, limit: int, **kw: Any) -> tuple[Any, Any]:
-    """(the store's answer, which comes from the cache, vec0's exact answer)."""
+    """(the store's answer, which comes from the cache, vec0's exact answer). On PostgreSQL
+    pgvector's distances are doubles of float32 sums in its own order, the cache's sqlite-vec's
+    float32 ones: the database's answer carries the cache's distance where the two are within
+    1e-6 of each other (the ids and the order must be the same)."""
     assert store.vectors.get(user) is not None
     cached = await store.vec_search(user, q, limit, mode="exact", **kw)
     vec0 = await store.read(
@@ -55,13 +58,23 @@ async def both(store: Store, user: str, q: Vector, limit: int, **kw: Any) -> tup
             exclude_roles=kw.get("exclude_roles", ()),
         )
     )
+    if store.pg:
+        return cached, _close_to(vec0, cached)
     return cached, vec0
 
 
+def _close_to(hits: list[tuple[int, float]], like: list[tuple[int, float]]) -> Any:
+    """``hits`` with the distances of ``like`` where the same turn is within 1e-6 of it."""
+    return [
+        (i, d2 if j == i and abs(d - d2) <= 1e-6 else d)
+        for (i, d), (j, d2) in zip(hits, [*like, *[(None, 0.0)] * len(hits)], strict=False)
+    ]
+
+
 @pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
+async def store(store_target: str | Path) -> AsyncIterator[Store]:
     rng = np.random.default_rng(7)
-    async with Store(tmp_path / "memory.db", vec_mode="exact") as st:
+    async with Store(store_target, vec_mode="exact") as st:
         for user in ("u", "other"):
             for s in range(6):
                 sid = f"{user}-s{s}"
@@ -163,11 +176,11 @@ async def test_turn_vectors_from_memory_match_the_database(store: Store) -> None
     assert theirs and not theirs.keys() & read.keys()
 
 
-async def test_auto_serves_a_large_user_exactly_from_memory(tmp_path: Path) -> None:
+async def test_auto_serves_a_large_user_exactly_from_memory(store_target: str | Path) -> None:
     """Above ``quantized_above`` turns, ``auto`` answers from the vectors held in memory (the
     exact plan, vec0's exact rows and order) once they are loaded, not by the bit vectors."""
     rng = np.random.default_rng(3)
-    async with Store(tmp_path / "big.db", quantized_above=50) as store:
+    async with Store(store_target, quantized_above=50) as store:
         await store.get_or_create_session("u", "s")
         turns = [NewTurn(i, "user", f"turn {i}") for i in range(200)]
         await store.add_turns("s", "u", turns, [unit(rng) for _ in turns])
@@ -178,11 +191,11 @@ async def test_auto_serves_a_large_user_exactly_from_memory(tmp_path: Path) -> N
             assert await store.vec_search("u", q, 20) == exact == auto
 
 
-async def test_a_user_too_large_to_hold_is_never_loaded(tmp_path: Path) -> None:
+async def test_a_user_too_large_to_hold_is_never_loaded(store_target: str | Path) -> None:
     """A user whose vectors would not fit in the cache's bytes is searched by vec0 (quantised
     above ``quantized_above``) and never loaded: loading it would only evict it again."""
     rng = np.random.default_rng(4)
-    async with Store(tmp_path / "big.db", quantized_above=50) as store:
+    async with Store(store_target, quantized_above=50) as store:
         store.vectors.max_bytes = 100 * EMBED_DIM * 4  # room for far fewer than 200 vectors
         await store.get_or_create_session("u", "s")
         turns = [NewTurn(i, "user", f"turn {i}") for i in range(200)]
@@ -194,10 +207,10 @@ async def test_a_user_too_large_to_hold_is_never_loaded(tmp_path: Path) -> None:
         assert store.vectors.loads == 0 and store.vectors.get("u") is None
 
 
-async def test_vec_memory_zero_keeps_every_search_in_vec0(tmp_path: Path) -> None:
+async def test_vec_memory_zero_keeps_every_search_in_vec0(store_target: str | Path) -> None:
     """``Store(vec_memory=0)`` (``[memory] cache_mb = 0``): vec0 answers, nothing is loaded."""
     rng = np.random.default_rng(5)
-    async with Store(tmp_path / "m.db", vec_memory=0) as store:
+    async with Store(store_target, vec_memory=0) as store:
         await store.get_or_create_session("u", "s")
         turns = [NewTurn(i, "user", f"turn {i}") for i in range(40)]
         vecs = [unit(rng) for _ in turns]

@@ -28,8 +28,10 @@ async def fill(st: Store, users: int) -> None:
         await st.add_turns(f"{user}-s", user, turns, vecs)
 
 
-async def test_preload_loads_the_users_seen_last_before_any_search(tmp_path: Path) -> None:
-    async with Store(tmp_path / "m.db") as st:
+async def test_preload_loads_the_users_seen_last_before_any_search(
+    store_target: str | Path,
+) -> None:
+    async with Store(store_target) as st:
         await fill(st, WARM_USERS + 2)
         recent = await st.read(recent_users)
         assert [u for u, _ in recent] == [f"user{u}" for u in range(WARM_USERS + 1, 1, -1)]
@@ -45,8 +47,8 @@ async def test_preload_loads_the_users_seen_last_before_any_search(tmp_path: Pat
         assert st.terms.loads == WARM_USERS  # no search asked for any of them
 
 
-async def test_a_long_background_load_never_holds_a_reader(tmp_path: Path) -> None:
-    async with Store(tmp_path / "m.db", readers=1) as st:
+async def test_a_long_background_load_never_holds_a_reader(store_target: str | Path) -> None:
+    async with Store(store_target, readers=1) as st:
         await fill(st, 1)
         started, release = threading.Event(), threading.Event()
 
@@ -63,13 +65,13 @@ async def test_a_long_background_load_never_holds_a_reader(tmp_path: Path) -> No
 
 
 async def test_closing_stops_a_load_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from proxy.store import term_cache, term_index
 
     monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)
     monkeypatch.setattr(term_index, "LOAD_CHUNK", 1)  # a slow load: one turn per statement
-    async with Store(tmp_path / "m.db") as st:
+    async with Store(store_target) as st:
         await fill(st, 1)
         for s in range(40):
             turns = [NewTurn(i, "user", f"more about lakes {s} {i}") for i in range(20)]

@@ -1,0 +1,1 @@
+"""The memory store on PostgreSQL with pgvector: connection, schema, migrations, log reading."""
