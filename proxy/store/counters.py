@@ -37,7 +37,7 @@ def add_counters(conn: Connection, deltas: Mapping[str, int]) -> None:
     """Add each non-zero delta to its counter (created at 0 when new)."""
     conn.executemany(
         "INSERT INTO counters(name, value) VALUES (?, ?)"
-        " ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+        " ON CONFLICT(name) DO UPDATE SET value = counters.value + excluded.value",
         [(k, v) for k, v in deltas.items() if v],
     )
 

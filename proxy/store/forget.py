@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from proxy.store import scaffolds
 from proxy.store.db import Connection
+from proxy.store.dialect import greatest
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def link_slots(
     conn.executemany(
         "INSERT INTO slot_sessions(session_id, slot_id, user_id, expires_at) VALUES (?, ?, ?, ?)"
         " ON CONFLICT(session_id, slot_id) DO UPDATE SET"
-        " expires_at = max(expires_at, excluded.expires_at)",
+        f" expires_at = {greatest(conn)}(slot_sessions.expires_at, excluded.expires_at)",
         [(session_id, sid, user_id, until) for sid in slot_ids],
     )
 
