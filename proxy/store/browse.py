@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.store.db import Connection
+from proxy.store.dialect import binary_order, char, cross_join, instr, texts_in
 from proxy.store.models import Session, Turn
 from proxy.store.rows import (
     SESSION_COLS,
@@ -52,10 +53,10 @@ def session_page(
     if name is not None or among is not None:
         alts = []
         if name is not None:
-            alts.append("instr(lower(name), lower(?)) > 0")
+            alts.append(f"{instr(conn)}(lower(name), lower(?)) > 0")
             args.append(name)
         if among is not None:
-            alts.append("id IN (SELECT value FROM json_each(?))")
+            alts.append(f"id IN {texts_in(conn)}")
             args.append(json_list(among))
         where.append("(" + " OR ".join(alts) + ")")
     if api is not None:
@@ -72,7 +73,7 @@ def session_page(
     cond = " AND ".join(where)
     page_sql = (
         f"SELECT {SESSION_COLS}{{}} FROM sessions WHERE {cond}"
-        " ORDER BY last_seen DESC, id LIMIT ? OFFSET ?"
+        f" ORDER BY last_seen DESC, id{binary_order(conn)} LIMIT ? OFFSET ?"
     )
     if api is None:  # the count walks an index; the page stops after its rows
         (total,) = conn.execute(f"SELECT count(*) FROM sessions WHERE {cond}", args).fetchone()
@@ -109,7 +110,7 @@ def session_apis(conn: Connection, user_id: str, limit: int = 20) -> list[str]:
     """The chat APIs the user's recent turns came through (the sessions page's filter)."""
     rows = conn.execute(
         "SELECT DISTINCT api FROM (SELECT api FROM turns WHERE user_id = ? AND api IS NOT NULL"
-        " ORDER BY id DESC LIMIT 5000) LIMIT ?",
+        " ORDER BY id DESC LIMIT 5000) AS recent LIMIT ?",
         (user_id, limit),
     )
     return sorted(str(r[0]) for r in rows)
@@ -131,33 +132,36 @@ def sub_sessions(conn: Connection, session_id: str, limit: int = 500) -> list[tu
     rows = conn.execute(
         "WITH RECURSIVE tree(id, depth, path) AS ("
         " SELECT id, 0, id FROM sessions WHERE id = ?"
-        " UNION ALL SELECT s.id, t.depth + 1, t.path || char(31) || s.created_at || s.id"
+        f" UNION ALL SELECT s.id, t.depth + 1, t.path || {char(conn, 31)} || s.created_at || s.id"
         " FROM sessions s JOIN tree t ON s.parent_id = t.id WHERE t.depth < 64)"
         f" SELECT {', '.join('s.' + c.strip() for c in SESSION_COLS.split(','))}, tree.depth"
         " FROM tree JOIN sessions s ON s.id = tree.id WHERE tree.depth > 0"
-        " ORDER BY tree.path LIMIT ?",
+        f" ORDER BY tree.path{binary_order(conn)} LIMIT ?",
         (session_id, limit),
     )
     return [(session_of(r[:-1]), int(r[-1])) for r in rows]
 
 
-_ITEMS = (
-    "FROM sessions s CROSS JOIN turns t ON t.session_id = s.id AND t.position < 0"
-    " WHERE s.user_id = ? AND t.role = ?"
-)
-"""The user's items (negative positions) of a role: found session by session in the
-``(session_id, position)`` index, not among all of the user's turns (``turns_user`` holds no
-position: the user's 100,000 turns read, 40 ms, for 600 facts; this way 3 ms). A session's
-turns are its user's (:func:`proxy.store.queries.insert_turns`), so no ``t.user_id`` test."""
+def _items(conn: Connection) -> str:
+    """The FROM and WHERE of the user's items (negative positions) of a role: found session by
+    session in the ``(session_id, position)`` index, not among all of the user's turns
+    (``turns_user`` holds no position: the user's 100,000 turns read, 40 ms, for 600 facts; this
+    way 3 ms). A session's turns are its user's (:func:`proxy.store.queries.insert_turns`), so no
+    ``t.user_id`` test. SQLite's ``CROSS JOIN`` keeps that join order; PostgreSQL's planner
+    chooses its own."""
+    return (
+        f"FROM sessions s {cross_join(conn)} turns t ON t.session_id = s.id AND t.position < 0"
+        " WHERE s.user_id = ? AND t.role = ?"
+    )
 
 
 def user_items(
     conn: Connection, user_id: str, role: str, *, limit: int, offset: int = 0
 ) -> tuple[list[Turn], int]:
     """A page of the user's items of a role (facts), the newest first, and how many."""
-    (total,) = conn.execute(f"SELECT count(*) {_ITEMS}", (user_id, role)).fetchone()
+    (total,) = conn.execute(f"SELECT count(*) {_items(conn)}", (user_id, role)).fetchone()
     rows = conn.execute(
-        f"SELECT {TURN_COLS_T} {_ITEMS} ORDER BY t.id DESC LIMIT ? OFFSET ?",
+        f"SELECT {TURN_COLS_T} {_items(conn)} ORDER BY t.id DESC LIMIT ? OFFSET ?",
         (user_id, role, limit, offset),
     )
     return [turn_of(r) for r in rows], int(total)

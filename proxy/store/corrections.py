@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.store.db import Connection
+from proxy.store.dialect import ids_in, instr
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, Turn
 from proxy.store.naming import NOTES_PREFIX, create_named
@@ -77,7 +78,7 @@ def forget_turn(conn: Connection, user_id: str, turn_id: int) -> TurnForgotten |
     if text:
         requests = conn.execute(
             "DELETE FROM requests WHERE user_id = ? AND session_id = ? AND query != ''"
-            " AND (query = ? OR instr(?, query) > 0 OR instr(query, ?) > 0)",
+            f" AND (query = ? OR {instr(conn)}(?, query) > 0 OR {instr(conn)}(query, ?) > 0)",
             (user_id, turn.session_id, text, text, text),
         ).rowcount
     return TurnForgotten(
@@ -141,8 +142,7 @@ def replace_fact(
 def fact_sources(conn: Connection, ids: list[int]) -> dict[int, tuple[str | None, int | None]]:
     """(source session, source turn) of each of these items."""
     rows = conn.execute(
-        "SELECT id, source_session, source_turn FROM turns"
-        " WHERE id IN (SELECT value FROM json_each(?))",
+        f"SELECT id, source_session, source_turn FROM turns WHERE id IN {ids_in(conn)}",
         (json_list(ids),),
     )
     return {int(r[0]): (r[1], r[2]) for r in rows}

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from proxy.store.db import Connection
+from proxy.store.dialect import cross_join
 from proxy.store.feedback import queue_counts
 
 
@@ -58,7 +59,7 @@ def memory_counts(conn: Connection, user_id: str | None = None) -> dict[str, Any
             sql = f"SELECT count(*) FROM turns t WHERE t.role = ?{extra}"
             return int(conn.execute(sql, (role,)).fetchone()[0])
         sql = (
-            "SELECT count(*) FROM sessions s CROSS JOIN turns t"
+            f"SELECT count(*) FROM sessions s {cross_join(conn)} turns t"
             " ON t.session_id = s.id AND t.position < 0"
             f" WHERE s.user_id = ? AND t.role = ?{extra}"
         )
@@ -67,7 +68,7 @@ def memory_counts(conn: Connection, user_id: str | None = None) -> dict[str, Any
     return {
         "handbacks": items("summary", sourced=True),
         "facts": items("fact"),
-        "requests": count("SELECT count(*) FROM requests WHERE 1"),
+        "requests": count("SELECT count(*) FROM requests WHERE TRUE"),
         "feedback": {
             "unhelpful": count("SELECT count(*) FROM feedback WHERE helpful = 0"),
             "helpful": count("SELECT count(*) FROM feedback WHERE helpful = 1"),

@@ -47,3 +47,27 @@ def least(conn: Any) -> str:
 def no_limit(conn: Any) -> int | None:
     """The ``LIMIT ?`` parameter that means no limit: -1 on SQLite, NULL on PostgreSQL."""
     return None if is_pg(conn) else -1
+
+
+def instr(conn: Any) -> str:
+    """The name of ``instr(haystack, needle)`` (1-based position, 0 if absent): SQLite's
+    ``instr``, PostgreSQL's ``strpos``."""
+    return "strpos" if is_pg(conn) else "instr"
+
+
+def binary_order(conn: Any) -> str:
+    """What follows a text column in an ``ORDER BY`` to sort it by code point, as SQLite's
+    default ``BINARY`` collation does: ``COLLATE "C"`` on PostgreSQL (whose database may have
+    a language's collation), nothing on SQLite."""
+    return ' COLLATE "C"' if is_pg(conn) else ""
+
+
+def char(conn: Any, code: int) -> str:
+    """The one-character string of ``code``: SQLite's ``char(n)``, PostgreSQL's ``chr(n)``."""
+    return f"chr({int(code)})" if is_pg(conn) else f"char({int(code)})"
+
+
+def cross_join(conn: Any) -> str:
+    """``CROSS JOIN`` on SQLite (an inner join whose order the planner keeps, ``ON`` allowed),
+    ``JOIN`` on PostgreSQL (whose ``CROSS JOIN`` takes no ``ON``)."""
+    return "JOIN" if is_pg(conn) else "CROSS JOIN"

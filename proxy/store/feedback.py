@@ -15,6 +15,7 @@ from typing import Any
 
 from proxy.store import queries
 from proxy.store.db import Connection
+from proxy.store.dialect import is_pg
 
 STATUSES = ("pending", "done", "failed")
 """The states of a queued request."""
@@ -108,10 +109,11 @@ def prune_requests(conn: Connection, keep_per_user: int, older_than: float) -> i
     gone = conn.execute(
         f"DELETE FROM requests WHERE created_at < ? AND id NOT IN ({waiting})", (older_than,)
     ).rowcount
+    later = "id" if is_pg(conn) else "rowid"  # of two at one time, the one kept (no rowid)
     gone += conn.execute(
-        "DELETE FROM requests WHERE rowid IN (SELECT rowid FROM (SELECT rowid, row_number()"
-        " OVER (PARTITION BY user_id ORDER BY created_at DESC, rowid DESC) AS n FROM requests)"
-        f" WHERE n > ?) AND id NOT IN ({waiting})",
+        "DELETE FROM requests WHERE id IN (SELECT id FROM (SELECT id, row_number() OVER"
+        f" (PARTITION BY user_id ORDER BY created_at DESC, {later} DESC) AS n FROM requests)"
+        f" AS ranked WHERE n > ?) AND id NOT IN ({waiting})",
         (keep_per_user,),
     ).rowcount
     return int(gone)

@@ -36,10 +36,10 @@ def session_tree(conn: Connection, session_id: str) -> list[str]:
     rows = conn.execute(
         "WITH RECURSIVE tree(id, depth) AS (SELECT id, 0 FROM sessions WHERE id = ?"
         " UNION SELECT s.id, t.depth + 1 FROM sessions s JOIN tree t ON s.parent_id = t.id)"
-        " SELECT id FROM tree ORDER BY depth, id",
+        " SELECT id, depth FROM tree",
         (session_id,),
-    )
-    return [str(r[0]) for r in rows]
+    )  # ordered here: by code point on both backends, whatever PostgreSQL's collation
+    return [str(r[0]) for r in sorted(rows, key=lambda r: (int(r[1]), str(r[0])))]
 
 
 def forget_session(conn: Connection, session_id: str, user_id: str | None) -> Forgotten | None:
@@ -54,16 +54,15 @@ def forget_session(conn: Connection, session_id: str, user_id: str | None) -> Fo
     (turns,) = conn.execute(
         f"SELECT count(*) FROM turns WHERE session_id IN ({marks})", tree
     ).fetchone()
-    slot_ids = [
+    slot_ids = sorted(
         str(r[0])
         for r in conn.execute(
             f"SELECT DISTINCT l.slot_id FROM slot_sessions l WHERE l.session_id IN ({marks})"
             " AND NOT EXISTS (SELECT 1 FROM slot_sessions o WHERE o.user_id = l.user_id"
-            f" AND o.slot_id = l.slot_id AND o.session_id NOT IN ({marks}))"
-            " ORDER BY l.slot_id",
+            f" AND o.slot_id = l.slot_id AND o.session_id NOT IN ({marks}))",
             [*tree, *tree],
         )
-    ]
+    )  # by code point, as SQLite's ORDER BY sorted them
     conn.execute("DELETE FROM sessions WHERE id = ?", (session_id,))  # the rest by cascade
     conn.execute(f"DELETE FROM slot_sessions WHERE session_id IN ({marks})", tree)
     scaffolds.forget_sessions(conn, owner, tree)

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 from proxy.store import queries
 from proxy.store.db import Connection
+from proxy.store.dialect import binary_order, texts_in
 from proxy.store.models import Session
 from proxy.store.rows import SESSION_COLS, json_list, session_of
 
@@ -49,7 +50,8 @@ def named_session(conn: Connection, user_id: str, name: str) -> Session | None:
 def sessions_named(conn: Connection, name: str) -> list[Session]:
     """Every user's session of this name (for the command line, which may name no user)."""
     rows = conn.execute(
-        f"SELECT {SESSION_COLS} FROM sessions WHERE name = ? ORDER BY user_id", (name,)
+        f"SELECT {SESSION_COLS} FROM sessions WHERE name = ? ORDER BY user_id{binary_order(conn)}",
+        (name,),
     )
     return [session_of(r) for r in rows]
 
@@ -101,7 +103,7 @@ def create_named(
 def session_names(conn: Connection, ids: Iterable[str]) -> dict[str, str]:
     """The name of each of these sessions (by id); unknown ids are left out."""
     rows = conn.execute(
-        "SELECT id, name FROM sessions WHERE id IN (SELECT value FROM json_each(?))",
+        f"SELECT id, name FROM sessions WHERE id IN {texts_in(conn)}",
         (json_list(set(ids)),),
     )
     return {str(r[0]): str(r[1]) for r in rows}

@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterable, Sequence
 
 from proxy.store.db import Connection
+from proxy.store.dialect import ids_in, texts_in
 from proxy.store.models import NewTurn, Scaffold, Turn
 
 
@@ -75,9 +76,9 @@ def known_paragraphs(
         return set()
     wanted = json.dumps(sorted(set(hashes)))
     rows = conn.execute(
-        "SELECT hash FROM scaffolds WHERE user_id = ? AND hash IN (SELECT value FROM json_each(?))"
+        f"SELECT hash FROM scaffolds WHERE user_id = ? AND hash IN {texts_in(conn)}"
         " UNION SELECT hash FROM paragraph_sightings WHERE user_id = ?"
-        " AND hash IN (SELECT value FROM json_each(?)) AND session_id IS NOT ?",
+        f" AND hash IN {texts_in(conn)} AND session_id IS DISTINCT FROM ?",
         (user_id, wanted, user_id, wanted, session_id),
     )
     return {str(r[0]) for r in rows}
@@ -97,22 +98,21 @@ def forget_sessions(conn: Connection, user_id: str, sessions: Sequence[str]) -> 
     uses; how many pieces went. Call inside the forgetting transaction."""
     marks = json.dumps(list(sessions))
     conn.execute(
-        "DELETE FROM paragraph_sightings WHERE user_id = ?"
-        " AND session_id IN (SELECT value FROM json_each(?))",
+        f"DELETE FROM paragraph_sightings WHERE user_id = ? AND session_id IN {texts_in(conn)}",
         (user_id, marks),
     )
     hashes = [
         str(r[0])
         for r in conn.execute(
             "DELETE FROM scaffold_sessions WHERE user_id = ?"
-            " AND session_id IN (SELECT value FROM json_each(?)) RETURNING hash",
+            f" AND session_id IN {texts_in(conn)} RETURNING hash",
             (user_id, marks),
         )
     ]
     if not hashes:
         return 0
     return conn.execute(
-        "DELETE FROM scaffolds WHERE user_id = ? AND hash IN (SELECT value FROM json_each(?))"
+        f"DELETE FROM scaffolds WHERE user_id = ? AND hash IN {texts_in(conn)}"
         " AND NOT EXISTS (SELECT 1 FROM scaffold_sessions u"
         " WHERE u.user_id = scaffolds.user_id AND u.hash = scaffolds.hash)",
         (user_id, json.dumps(sorted(set(hashes)))),
@@ -125,7 +125,7 @@ def full_contents(conn: Connection, user_id: str, turn_ids: Sequence[int]) -> di
     if not turn_ids:
         return {}
     rows = conn.execute(
-        "SELECT id, content, scaffold FROM turns WHERE id IN (SELECT value FROM json_each(?))"
+        f"SELECT id, content, scaffold FROM turns WHERE id IN {ids_in(conn)}"
         " AND scaffold IS NOT NULL",
         (json.dumps(list(turn_ids)),),
     ).fetchall()
@@ -135,8 +135,7 @@ def full_contents(conn: Connection, user_id: str, turn_ids: Sequence[int]) -> di
     wanted = sorted({ref[1] for _, pieces in refs.values() for ref in pieces})
     texts = dict(
         conn.execute(
-            "SELECT hash, content FROM scaffolds WHERE user_id = ?"
-            " AND hash IN (SELECT value FROM json_each(?))",
+            f"SELECT hash, content FROM scaffolds WHERE user_id = ? AND hash IN {texts_in(conn)}",
             (user_id, json.dumps(wanted)),
         ).fetchall()
     )

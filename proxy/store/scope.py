@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.store.db import Connection
+from proxy.store.dialect import ids_in
 from proxy.store.rows import TURN_COLS, json_list
 
 
@@ -94,8 +95,7 @@ def turn_rows(conn: Connection, ids: Sequence[int], user_id: str) -> dict[int, t
     if not ids:
         return {}
     rows = conn.execute(
-        f"SELECT {TURN_COLS} FROM turns WHERE id IN (SELECT value FROM json_each(?))"
-        " AND user_id = ?",
+        f"SELECT {TURN_COLS} FROM turns WHERE id IN {ids_in(conn)} AND user_id = ?",
         (json_list(ids), user_id),
     )
     return {int(row[0]): tuple(row) for row in rows}

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from proxy.store.db import Connection
+from proxy.store.dialect import binary_order
 
 
 class SlotRow(NamedTuple):
@@ -35,8 +36,8 @@ def upsert_slots(
         " ON CONFLICT(user_id, id) DO UPDATE SET tool = excluded.tool,"
         " description = excluded.description, content = excluded.content,"
         " tokens = excluded.tokens, bytes = excluded.bytes, expires_at = excluded.expires_at,"
-        " created_at = iif(slots.expires_at <= excluded.created_at, excluded.created_at,"
-        " slots.created_at)",
+        " created_at = CASE WHEN slots.expires_at <= excluded.created_at"
+        " THEN excluded.created_at ELSE slots.created_at END",
         [
             (
                 user,
@@ -121,7 +122,7 @@ def user_slot_page(
     (total,) = conn.execute(f"SELECT count(*) {live}", (user, now)).fetchone()
     rows = conn.execute(
         "SELECT id, tool, substr(description, 1, ?), tokens, bytes, created_at, expires_at"
-        f" {live} ORDER BY expires_at DESC, id LIMIT ? OFFSET ?",
+        f" {live} ORDER BY expires_at DESC, id{binary_order(conn)} LIMIT ? OFFSET ?",
         (description_chars, user, now, limit, offset),
     )
     return [

@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from proxy.store import NewTurn, Store, browse, corrections
 from proxy.store.db import Connection
+from proxy.store.dialect import is_pg
 from proxy.store.feedback import RecordedRequest, insert_request
 from proxy.store.items import insert_item
 from proxy.store.summaries import Summary, get_summary, put_summary
@@ -39,9 +40,23 @@ def count(c: Connection, sql: str, *args: object) -> int:
     return int(c.execute(sql, args).fetchone()[0])
 
 
-def matches(c: Connection, term: str) -> int:
-    """How many full-text rows hold ``term`` (in their body or their neighbours' context)."""
-    return count(c, "SELECT count(*) FROM turns_fts WHERE turns_fts MATCH ?", term)
+def matches(c: Connection, term: str, turn_id: int | None = None) -> int:
+    """How many full-text rows hold ``term`` (in their body or their neighbours' context), of
+    all or of ``turn_id``'s; a quoted phrase is matched as words in sequence (on PostgreSQL,
+    whose English ``tsvector`` drops "in a", as the indexed text holding it)."""
+    one = "" if turn_id is None else f" AND {'turn_id' if is_pg(c) else 'rowid'} = {turn_id:d}"
+    if not is_pg(c):
+        return count(c, f"SELECT count(*) FROM turns_fts WHERE turns_fts MATCH ?{one}", term)
+    if term.startswith('"'):
+        sql = "SELECT count(*) FROM turns_fts WHERE (body || ' ' || ctx) ILIKE ?"
+        return count(c, sql + one, "%" + term.strip('"') + "%")
+    sql = "SELECT count(*) FROM turns_fts WHERE tsv @@ plainto_tsquery('english', ?)"
+    return count(c, sql + one, term)
+
+
+def fts_id(c: Connection) -> str:
+    """The column of ``turns_fts`` that is the turn's id."""
+    return "turn_id" if is_pg(c) else "rowid"
 
 
 def vectors(c: Connection, *ids: int) -> int:
@@ -49,8 +64,8 @@ def vectors(c: Connection, *ids: int) -> int:
 
 
 @pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[Store]:
-    async with Store(tmp_path / "memory.db") as s:
+async def store(store_target: str | Path) -> AsyncIterator[Store]:
+    async with Store(store_target) as s:
         yield s
 
 
@@ -127,17 +142,12 @@ async def test_forgetting_a_turn_takes_what_was_made_from_it_and_nothing_else(
             "requests": sorted(r[0] for r in c.execute("SELECT id FROM requests")),
             "facts": sorted(r[0] for r in c.execute("SELECT content FROM turns WHERE role='fact'")),
             "fts": matches(c, "zorblingfax"),
-            "fts of b": count(
-                c,
-                "SELECT count(*) FROM turns_fts WHERE turns_fts MATCH ? AND rowid = ?",
-                "zorblingfax",
-                m["b"],
-            ),
+            "fts of b": matches(c, "zorblingfax", m["b"]),
             "neighbours": (
                 vectors(c, m["ids"][1], m["ids"][3]),
                 count(
                     c,
-                    "SELECT count(*) FROM turns_fts WHERE rowid IN (?, ?)",
+                    f"SELECT count(*) FROM turns_fts WHERE {fts_id(c)} IN (?, ?)",
                     m["ids"][1],
                     m["ids"][3],
                 ),
@@ -237,9 +247,7 @@ async def test_a_replaced_fact_keeps_its_place_and_sources_and_its_old_words_go(
             "old words in turns": count(
                 c, "SELECT count(*) FROM turns WHERE content LIKE ?", "%in a vase%"
             ),
-            "old in fts": count(
-                c, "SELECT count(*) FROM turns_fts WHERE turns_fts MATCH ?", '"in a vase"'
-            ),
+            "old in fts": matches(c, '"in a vase"'),
             "new in fts": matches(c, "quintarble"),
             "vectors": (vectors(c, old), vectors(c, turn.id)),
         }

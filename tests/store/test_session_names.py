@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from proxy.chat.sessions import PlacementRequest, commit_turns, place
-from proxy.store import db, migrations, queries
+from proxy.store import backend, db, migrations, queries
 from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session, SessionConflict
 from proxy.store.naming import create_named, free_session_id, named_session, session_names
@@ -82,9 +82,9 @@ def test_migration_7_names_existing_sessions_for_their_owners(
         c.close()
 
 
-def test_names_are_per_user_and_ids_stay_unique(tmp_path: Path) -> None:
-    c = db.connect(tmp_path / "m.db")
-    migrations.migrate(c)
+def test_names_are_per_user_and_ids_stay_unique(store_target: str | Path) -> None:
+    c = backend.open_connection(store_target)
+    backend.migrate(c)
     try:
 
         def new(user: str, name: str) -> Session:

@@ -27,9 +27,9 @@ GLOB_USERS = ["a*", "a?", "a[b]", "*", "?", "[", "a", "b", "a\\*"]
 
 
 @pytest_asyncio.fixture(params=["redis", "embedded"])
-async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
+async def env(request: pytest.FixtureRequest, store_target: str | Path) -> AsyncIterator[Env]:
     server = request.getfixturevalue("redis_server") if request.param == "redis" else None
-    e = Env(request.param, tmp_path / "engram.db", server)
+    e = Env(request.param, store_target, server)
     try:
         yield e
     finally:
@@ -37,8 +37,8 @@ async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[E
 
 
 @pytest_asyncio.fixture
-async def embedded(tmp_path: Path) -> AsyncIterator[Env]:
-    e = Env("embedded", tmp_path / "engram.db", None)
+async def embedded(store_target: str | Path) -> AsyncIterator[Env]:
+    e = Env("embedded", store_target, None)
     try:
         yield e
     finally:

@@ -71,7 +71,7 @@ class Env:
     """A database (and, for ``redis``, a server) and the SlotStore opened on them."""
 
     backend: str
-    db: Path
+    db: str | Path  # a SQLite file or a PostgreSQL URL
     redis: RedisServer | None
     opened: list[tuple[SlotStore, Store]] = field(default_factory=list)
 
@@ -100,9 +100,9 @@ class Env:
 
 
 @pytest_asyncio.fixture(params=["redis", "embedded"])
-async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
+async def env(request: pytest.FixtureRequest, store_target: str | Path) -> AsyncIterator[Env]:
     server = request.getfixturevalue("redis_server") if request.param == "redis" else None
-    e = Env(request.param, tmp_path / "engram.db", server)
+    e = Env(request.param, store_target, server)
     try:
         yield e
     finally:
@@ -110,8 +110,8 @@ async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[E
 
 
 @pytest_asyncio.fixture
-async def embedded(tmp_path: Path) -> AsyncIterator[Env]:
-    e = Env("embedded", tmp_path / "engram.db", None)
+async def embedded(store_target: str | Path) -> AsyncIterator[Env]:
+    e = Env("embedded", store_target, None)
     try:
         yield e
     finally:
@@ -385,13 +385,30 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+def database_args(db: str | Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The command line's arguments naming ``db``: ``--db`` for a SQLite file; a PostgreSQL
+    URL is configured, not a flag (``ENGRAM_MEMORY_BACKEND``, ``ENGRAM_MEMORY_POSTGRES_URL``)."""
+    if isinstance(db, Path):
+        return ["--db", str(db)]
+    monkeypatch.setenv("ENGRAM_MEMORY_BACKEND", "postgres")
+    monkeypatch.setenv("ENGRAM_MEMORY_POSTGRES_URL", db)
+    return []
+
+
 @pytest.mark.asyncio
 async def test_engram_stats_shows_slot_figures(
-    env: Env, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    env: Env,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
+    if not isinstance(env.db, Path):  # strict: fails once the command line learns PostgreSQL
+        reason = "engram stats opens no PostgreSQL yet (proxy/cli/commands.py: database_path)"
+        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
     clean_environment(monkeypatch)
     if env.redis is not None:
         monkeypatch.setenv("ENGRAM_SLOTS_REDIS_URL", env.redis.url)
+    db = database_args(env.db, monkeypatch)
     slots = await env.open()
     await slots.put_many("alice", [slot("a", "y" * 2000)])
     await slots.get("alice", "a")
@@ -399,7 +416,7 @@ async def test_engram_stats_shows_slot_figures(
     await env.close()  # the counters are saved
 
     capsys.readouterr()
-    assert await asyncio.to_thread(main, ["stats", "--db", str(env.db), "--json"]) == 0
+    assert await asyncio.to_thread(main, ["stats", *db, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["slots"]
     assert data["backend"] == env.backend
     assert data[env.backend] | {"up": None} == {
@@ -411,18 +428,18 @@ async def test_engram_stats_shows_slot_figures(
         "misses": 1,
         "errors": 0,
     }
-    assert await asyncio.to_thread(main, ["stats", "--db", str(env.db)]) == 0
+    assert await asyncio.to_thread(main, ["stats", *db]) == 0
     text = capsys.readouterr().out
     assert f"slots           new slots go to {env.backend}" in text
     assert f"  {env.backend:<13} 1 slots, 0.00 MB; 1 hits, 1 misses" in text
 
     if env.redis is not None:
         env.redis.kill()
-        assert await asyncio.to_thread(main, ["stats", "--db", str(env.db), "--json"]) == 0
+        assert await asyncio.to_thread(main, ["stats", *db, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)["slots"]
         assert data["backend"] == "embedded"
         assert data["redis"]["up"] is False and data["redis"]["hits"] == 1
-        assert await asyncio.to_thread(main, ["stats", "--db", str(env.db)]) == 0
+        assert await asyncio.to_thread(main, ["stats", *db]) == 0
         assert "  redis         unreachable; 1 hits" in capsys.readouterr().out
 
 
