@@ -83,6 +83,21 @@ def _redacted(value: Any) -> Any:
     return redact(str(value))
 
 
+class QuietOutages(logging.Filter):
+    """Leaves out a failure's record when its exception says ``quiet`` (or was raised from one
+    that does): the memory database being down (:class:`proxy.store.gate.StoreUnavailable`),
+    which its gate logs once, not once per request and background tick."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        seen = 0
+        while exc is not None and seen < 8:
+            if getattr(exc, "quiet", False):
+                return False
+            exc, seen = exc.__cause__ or exc.__context__, seen + 1
+        return True
+
+
 class _DeferredQueueHandler(logging.handlers.QueueHandler):
     """Hands records to the writer thread unformatted: no formatting or write on the loop."""
 
@@ -102,7 +117,9 @@ def setup(level: str = "info", fmt: str = "text") -> logging.handlers.QueueListe
     listener = logging.handlers.QueueListener(records, stream)
     listener.start()
     root = logging.getLogger("engram")
-    root.handlers[:] = [_DeferredQueueHandler(records)]
+    handler = _DeferredQueueHandler(records)
+    handler.addFilter(QuietOutages())
+    root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
     return listener

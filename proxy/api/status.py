@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 from aiohttp import web
 
@@ -12,7 +13,8 @@ from proxy import __version__
 from proxy.cli.workers import worker_number
 from proxy.masking import display_url
 from proxy.redact import redact
-from proxy.services import SERVICES
+from proxy.services import SERVICES, Services
+from proxy.store.store import Store
 
 
 async def health(request: web.Request) -> web.Response:
@@ -22,9 +24,11 @@ async def health(request: web.Request) -> web.Response:
     upstream = services.upstream
     reachable, detail = await upstream.probe()
     info = upstream.info
+    memory = _memory_health(services)
+    healthy = reachable and (memory is None or memory["up"])
     return web.json_response(
         {
-            "status": "ok" if reachable else "degraded",
+            "status": "ok" if healthy else "degraded",
             "version": __version__,
             "uptime_s": round(time.time() - services.started, 1),
             "upstream": {
@@ -35,12 +39,45 @@ async def health(request: web.Request) -> web.Response:
                 "detail": redact(detail),
                 "context_size": info.context_size,
             },
+            "memory": memory,  # null: memory is off
             "background_tasks": len(services.tasks),
             "worker": worker_number(),  # of `engram serve --workers N`; null: the only process
             # Where new tool-result slots go ("embedded" also while a configured Redis is down).
             "slots": services.slots.backend if services.slots is not None else None,
         }
     )
+
+
+def _memory_health(services: Services) -> dict[str, Any] | None:
+    """The memory store's backend and whether it answers (no URL: this route is unguarded)."""
+    memory = services.pipeline.memory
+    if memory is None:
+        return None
+    store = memory.store
+    gate = store.gate.state()
+    return {
+        "backend": store.backend,
+        "up": gate.up,
+        "down_for_s": gate.down_for_s,
+        "retry_in_s": gate.next_try_s,
+        "error": None if gate.up else redact(gate.last_error),
+    }
+
+
+def _store_metrics(store: Store) -> dict[str, float]:
+    """The store's connections and the database's availability (proxy.store.gate)."""
+    gate = store.gate.state()
+    backend = f'{{backend="{store.backend}"}}'
+    return {
+        f"engram_store_up{backend}": float(gate.up),
+        "engram_store_outages_total": gate.outages,
+        "engram_store_refused_total": gate.refused,  # jobs refused at once while down
+        "engram_store_readers": store.readers,
+        "engram_store_connections": store.connections.count,
+        "engram_store_connections_opened_total": store.connections.opened,
+        "engram_store_reads_in_flight": store.reads_in_flight,
+        "engram_store_writes_in_flight": store.writes_in_flight,
+    }
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -76,6 +113,7 @@ async def metrics(request: web.Request) -> web.Response:
         values[f"engram_{name}_total"] = counts[name]
     memory = pipeline.memory
     if memory is not None:
+        values.update(_store_metrics(memory.store))
         values["engram_turns_archived_total"] = memory.archived_turns
         indexer = memory.indexer
         values["engram_embed_failures_total"] = indexer.failures if indexer else 0

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from proxy.logs import event
 from proxy.search.embedder import Embedder
 from proxy.store import indexing
+from proxy.store.gate import StoreUnavailable
 from proxy.store.models import NewTurn, embed_text, text_hash
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
@@ -114,15 +115,30 @@ class Indexer:
                     self._jobs.append(rest)
                 try:
                     await self._index(chunk)
+                except StoreUnavailable:  # the database is down (its gate said so once)
+                    self._wait_for_database(chunk)
+                    return
                 except Exception:  # the turns stay in the journal: the next start's replay
                     log.exception("indexing archived turns failed; they wait for the next start")
                 finally:
                     self._queued -= len(chunk)
             elif self._catch_up_to:
-                if not await self._catch_up_chunk(self._catch_up_to):
+                try:
+                    more = await self._catch_up_chunk(self._catch_up_to)
+                except StoreUnavailable:
+                    return  # the next commit, once the database is back, wakes the catch-up
+                if not more:
                     self._catch_up_to = 0
             else:
                 return
+
+    def _wait_for_database(self, chunk: Sequence[Item]) -> None:
+        """The database went away: this chunk and every queued turn stay in the journal, and
+        the catch-up indexes them from there once a commit wakes the worker."""
+        queued = [item for each in self._jobs for item in each]
+        self._jobs.clear()
+        self._queued -= len(queued)  # the chunk's own share is taken off by the caller
+        self._catch_up_to = max(self._catch_up_to, *(turn_id for turn_id, _ in [*chunk, *queued]))
 
     async def _index(self, chunk: Sequence[Item]) -> None:
         ids = [turn_id for turn_id, _ in chunk]

@@ -45,7 +45,6 @@ are not); a list: exactly those. ``exclude_sessions`` (the conversation being an
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +66,8 @@ from proxy.store import (
 from proxy.store.db import Connection
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
+from proxy.store.gate import Gate
+from proxy.store.held import Connections
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
 from proxy.store.pg.follow import PgFollower
 from proxy.store.scrub import Scrubber
@@ -99,7 +100,7 @@ class Store(Searching):
         self.path = Path(path) if not self.pg else None  # the SQLite file
         self.backend = backend.name(path)
         self.display = backend.display(path)  # a URL without its password
-        self._readers = max(1, readers)
+        self.readers = self._readers = max(1, readers)
         self._vec_mode: VecMode = vec_mode
         self._quantized_above = quantized_above
         if len(fts_weights) != len(FTS_WEIGHTS):
@@ -107,10 +108,11 @@ class Store(Searching):
         self._fts_weights = tuple(float(w) for w in fts_weights)
         self._writer: ThreadPoolExecutor | None = None
         self._reader_pool: ThreadPoolExecutor | None = None
-        self._write_conn: Connection | None = None
-        self._local = threading.local()
-        self._reader_conns: list[Connection] = []
-        self._conns_lock = threading.Lock()
+        # PostgreSQL named without its password; down: memory off, retried (store.gate)
+        self.gate = Gate(f"PostgreSQL at {self.display}" if self.pg else str(self.display))
+        self.connections = Connections(self.target, self.gate)  # one per thread (store.held)
+        self.reads_in_flight = 0
+        self.writes_in_flight = 0
         self._user_counts: dict[str, tuple[float, int]] = {}
         self.vec_dim: int | None = None  # turn_vec's, read at open
         self._words = word_counts.UserWordCounts()
@@ -118,7 +120,7 @@ class Store(Searching):
         self.terms = term_cache.TermCache(fts_memory)  # BM25 in numpy
         follower = PgFollower if self.pg else changes.Follower
         self.follower = follower(self.terms, self.vectors)  # other processes' writes
-        self.loader = warm.Loader(self.target)  # loads those caches beside the readers
+        self.loader = warm.Loader(self.connections)  # loads those caches beside the readers
         self._words.again = lambda: self.loader.submit(self._words.run)  # words queued meanwhile
         self.scrubber = Scrubber(self)  # after deletes: FTS merge, vacuum, checkpoint
 
@@ -128,10 +130,8 @@ class Store(Searching):
         if self._writer is not None:
             return
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engram-db-write")
-        self._reader_pool = ThreadPoolExecutor(
-            max_workers=self._readers,
-            thread_name_prefix="engram-db-read",
-            initializer=self._open_reader,
+        self._reader_pool = ThreadPoolExecutor(  # their connections open at first use
+            max_workers=self._readers, thread_name_prefix="engram-db-read"
         )
         self.loader.start()
 
@@ -148,7 +148,7 @@ class Store(Searching):
             except BaseException:
                 conn.close()
                 raise
-            self._write_conn = conn
+            self.connections.adopt(conn)
 
         try:
             await asyncio.get_running_loop().run_in_executor(self._writer, _open_writer)
@@ -165,19 +165,10 @@ class Store(Searching):
         await loop.run_in_executor(None, self.loader.close)
         if pool is not None:
             await loop.run_in_executor(None, pool.shutdown, True)
-        with self._conns_lock:
-            conns, self._reader_conns = self._reader_conns, []
-        for conn in conns:
-            conn.close()
-        if writer is not None:
-
-            def _close_writer() -> None:  # queued behind every write already submitted
-                conn, self._write_conn = self._write_conn, None
-                if conn is not None:
-                    conn.close()
-
-            writer.submit(_close_writer)
+        if writer is not None:  # closed behind every write already submitted
+            writer.submit(self.connections.close_mine)
             await loop.run_in_executor(None, writer.shutdown, True)
+        self.connections.close_all()
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -191,23 +182,22 @@ class Store(Searching):
     ) -> None:
         await self.close()
 
-    def _open_reader(self) -> None:
-        conn = backend.open_connection(self.target, readonly=True)
-        self._local.conn = conn
-        with self._conns_lock:
-            self._reader_conns.append(conn)
-
     # -- running work ---------------------------------------------------------------------
     async def read(self, fn: Callable[[Connection], T]) -> T:
         """Run ``fn(conn)`` on a reader thread with a read-only connection."""
         pool = self._reader_pool
         if pool is None:
             raise RuntimeError("store is not open")
+        self.gate.check()  # down: StoreUnavailable now, no thread hop (store.gate)
 
         def job() -> T:
-            return fn(self._local.conn)
+            return self.connections.run(fn, readonly=True)
 
-        return await asyncio.get_running_loop().run_in_executor(pool, job)
+        self.reads_in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, job)
+        finally:
+            self.reads_in_flight -= 1
 
     async def write(self, fn: Callable[[Connection], T], *, transaction: bool = True) -> T:
         """Run ``fn(conn)`` on the writer thread inside one ``BEGIN IMMEDIATE`` transaction
@@ -216,7 +206,7 @@ class Store(Searching):
         writer = self._writer
         if writer is None:
             raise RuntimeError("store is not open")
-
+        self.gate.check()
         follower = self.follower
 
         def guarded(c: Connection) -> T:
@@ -226,9 +216,7 @@ class Store(Searching):
                 follower.write_ended(False)  # before the rollback hands its numbers out again
                 raise
 
-        def job() -> T:
-            conn = self._write_conn
-            assert conn is not None
+        def run(conn: Connection) -> T:
             # one transaction (or none); what it did to vectors and terms is then applied
             ok = False
             try:
@@ -242,8 +230,15 @@ class Store(Searching):
             finally:
                 follower.write_ended(ok)
 
-        future = asyncio.wrap_future(writer.submit(job))
-        return await asyncio.shield(future)
+        def job() -> T:
+            return self.connections.run(run, readonly=False)
+
+        self.writes_in_flight += 1
+        try:
+            future = asyncio.wrap_future(writer.submit(job))
+            return await asyncio.shield(future)
+        finally:
+            self.writes_in_flight -= 1
 
     # -- users and sessions ---------------------------------------------------------------
     async def ensure_user(self, user_id: str) -> None:

@@ -13,14 +13,13 @@ loaded.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from proxy.store.backend import open_connection
 from proxy.store.db import Connection
+from proxy.store.gate import StoreUnavailable
+from proxy.store.held import Connections
 from proxy.store.term_cache import TermCache
 from proxy.store.vec_cache import VectorCache
 
@@ -31,20 +30,15 @@ WARM_USERS = 4
 
 
 class Loader:
-    """One thread, one read-only connection, for work nothing waits for."""
+    """One thread, one read-only connection of ``connections`` (the store's), for work nothing
+    waits for."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = path  # a SQLite file or a PostgreSQL URL (proxy.store.backend)
+    def __init__(self, connections: Connections) -> None:
+        self.connections = connections
         self._pool: ThreadPoolExecutor | None = None
-        self._local = threading.local()
-        self._conns: list[Connection] = []
 
     def start(self) -> None:
-        self._pool = ThreadPoolExecutor(1, "engram-db-load", initializer=self._open)
-
-    def _open(self) -> None:
-        self._local.conn = open_connection(self.path, readonly=True)
-        self._conns.append(self._local.conn)
+        self._pool = ThreadPoolExecutor(1, "engram-db-load")
 
     def submit(self, fn: Callable[[Connection], object]) -> None:
         """Run ``fn(conn)`` on the loader thread, in order; a failure is logged."""
@@ -53,18 +47,17 @@ class Loader:
 
     def _run(self, fn: Callable[[Connection], object]) -> None:
         try:
-            fn(self._local.conn)
+            self.connections.run(fn, readonly=True)
+        except StoreUnavailable:  # the gate said so once (store.gate)
+            log.debug("a background read waits for the database")
         except Exception:  # nothing awaits it: say so rather than lose it
             log.exception("a background read failed")
 
     def close(self) -> None:
-        """Drop what is queued, wait for what runs, close the connection (any thread)."""
+        """Drop what is queued, wait for what runs (its connection closes with the store's)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        for conn in self._conns:
-            conn.close()
-        self._conns.clear()
 
 
 def recent_users(conn: Connection, limit: int = WARM_USERS) -> list[tuple[str, int]]:

@@ -152,19 +152,23 @@ class PgConnection:
 
     def __init__(self, raw: Any) -> None:
         self.raw = raw
+        self.statements = 0  # run without error: whether a job reached the server (store.held)
 
     def execute(self, sql: str, params: Params = ()) -> Cursor:
         cur = self.raw.cursor(binary=True)
         cur.execute(translate(sql), _params(params))
+        self.statements += 1
         return Cursor(cur)
 
     def executemany(self, sql: str, rows: Any) -> Cursor:
         cur = self.raw.cursor(binary=True)
         cur.executemany(translate(sql), [_params(r) for r in rows])
+        self.statements += 1
         return Cursor(cur)
 
     def executescript(self, script: str) -> None:
         self.raw.execute(script)
+        self.statements += 1
 
     @property
     def in_transaction(self) -> bool:
