@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from proxy.background.changes import ChangesPruner
 from proxy.background.facts import (
     Fact,
     consolidation_messages,
@@ -153,6 +154,8 @@ class Consolidator:
         self.summarizer = summarizer
         self.feedback = feedback
         cfg = settings.consolidation
+        # PostgreSQL's changes log, pruned at each pass by the replica holding its lease
+        self.changes = ChangesPruner(store, summarizer.leases.holder, cfg.interval)
         # Wider than the hot path: more candidates, and every word of the question searched
         # (the hot path leaves out the commonest ones to stay fast).
         wide = dataclasses.replace(
@@ -339,8 +342,10 @@ class Consolidator:
 
     async def scheduled_pass(self) -> None:
         """One background pass (every ``consolidation.interval`` seconds, through
-        :func:`proxy.tasks.every`), and pruning of the request record."""
+        :func:`proxy.tasks.every`), pruning of the request record, and of PostgreSQL's
+        changes log (one replica at a time: :mod:`proxy.background.changes`)."""
         report = await self.run_pass()
         if report.processed:
             event(log, logging.INFO, "consolidation pass", **dataclasses.asdict(report))
         await self.feedback.prune()
+        await self.changes.run()

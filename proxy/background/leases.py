@@ -4,7 +4,10 @@
 it every third of :data:`TTL_S` while the job runs, and releases it after. A process that
 dies mid-job stops renewing: another one takes the item once the lease has expired (the job
 is then done again from its start: a summary or a hand-back is written in one transaction at
-the end, so a half-done job leaves nothing behind).
+the end, so a half-done job leaves nothing behind). A job that nothing schedules again (a
+summary is asked for by a request, not by a loop) claims with ``wait``: refused, it claims
+once more when the holder's lease would run out, so a dead holder's job is taken over then,
+not at the next request (a live holder has renewed it: the job is its own).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ TTL_S = 30.0
 """How long a lease lasts unless renewed (``memory.job_lease``): how soon another process takes
 over a dead one's job."""
 
+SLACK_S = 0.05
+"""Past a lease's end, before a waiting claim tries again."""
+
 
 class Leases:
     """This process's leases on the items of background jobs."""
@@ -38,10 +44,11 @@ class Leases:
         self.refused = 0  # claims another process held
 
     @contextlib.asynccontextmanager
-    async def hold(self, name: str) -> AsyncIterator[bool]:
-        """``async with leases.hold("summary:<id>") as mine:`` run the job only if ``mine``."""
-        now, holder, ttl = time.time(), self.holder, self.ttl
-        if not await self.store.write(lambda c: leases.claim(c, name, holder, now, ttl)):
+    async def hold(self, name: str, wait: bool = False) -> AsyncIterator[bool]:
+        """``async with leases.hold("summary:<id>") as mine:`` run the job only if ``mine``.
+        ``wait``: refused, claim again when the holder's lease would run out."""
+        holder = self.holder
+        if not await self._claim(name, wait):
             self.refused += 1
             yield False
             return
@@ -53,6 +60,20 @@ class Leases:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewing
             await self.store.write(lambda c: leases.release(c, name, holder))
+
+    async def _claim(self, name: str, wait: bool) -> bool:
+        """Claim ``name``; refused and ``wait``, once more when the lease would run out (a live
+        holder has renewed it by then, a dead one has not)."""
+        holder, ttl = self.holder, self.ttl
+        now = time.time()
+        if await self.store.write(lambda c: leases.claim(c, name, holder, now, ttl)):
+            return True
+        if not wait:
+            return False
+        until = await self.store.read(lambda c: leases.expires_at(c, name))
+        await asyncio.sleep(min(max(0.0, (until or now) - time.time()), ttl) + SLACK_S)
+        now = time.time()
+        return bool(await self.store.write(lambda c: leases.claim(c, name, holder, now, ttl)))
 
     async def _renew(self, name: str) -> None:
         holder, ttl = self.holder, self.ttl

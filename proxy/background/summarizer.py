@@ -172,8 +172,10 @@ class Summarizer:
             return None
         self.running.add(session_id)
         try:
-            async with self.leases.hold(f"summary:{session_id}") as mine:
-                if not mine:  # another process is summarising it
+            # Held elsewhere: by a process that may have died (its lease runs out within a
+            # TTL, and the job is this one's), or by a live one (it renews: the job is its).
+            async with self.leases.hold(f"summary:{session_id}", wait=True) as mine:
+                if not mine:  # another process is still summarising it
                     return None
                 # Long gaps are folded in chunks that fit the model's context, one call each.
                 summary, progressed = None, True

@@ -45,3 +45,9 @@ def holder_of(conn: Connection, name: str, now: float) -> str | None:
         "SELECT holder FROM leases WHERE name = ? AND expires_at > ?", (name, now)
     ).fetchone()
     return str(row[0]) if row else None
+
+
+def expires_at(conn: Connection, name: str) -> float | None:
+    """When ``name``'s lease runs out unless renewed (None: there is none)."""
+    row = conn.execute("SELECT expires_at FROM leases WHERE name = ?", (name,)).fetchone()
+    return float(row[0]) if row else None

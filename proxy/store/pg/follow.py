@@ -17,7 +17,8 @@ Own writes are not marked as on SQLite: the writer catches up right after each c
 (:meth:`proxy.store.store.Store.write`), so the writer's changes reach this process's caches
 through the same path as everyone else's, before the write returns.
 
-The log is pruned by age (:data:`KEEP_SECONDS`, :func:`prune`); the highest transaction
+The log is pruned by age (:data:`KEEP_SECONDS`, :func:`prune`; by one replica at a time,
+:mod:`proxy.background.changes`); the highest transaction
 pruned is kept in ``meta``, and a follower whose watermark is below it has missed rows: it
 clears its caches, as on SQLite.
 """
