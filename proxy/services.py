@@ -57,6 +57,8 @@ log = logging.getLogger("engram.services")
 
 FOLLOW_EVERY = 1.0
 """Seconds between two reads of the changes log when no search reads it (proxy.store.changes)."""
+PRUNE_CHANGES_EVERY = 60.0
+"""Seconds between two prunes of PostgreSQL's changes log when consolidation is off."""
 FENCE_SECRET_KEY = "fence_secret"
 ADMIN_TOKEN_KEY = "admin_token"  # on PostgreSQL, when memory.admin_token is not set
 """The ``meta`` key of the memory block's tag secret (shared by every process on the database)."""
@@ -241,6 +243,10 @@ def _loops(s: Services) -> list[asyncio.Task[None]]:
     interval = s.settings.consolidation.interval
     if interval > 0 and s.consolidator is not None:
         loops.append(every(interval, s.consolidator.scheduled_pass, "consolidation pass"))
+    elif s.consolidator is not None and s.parts is not None and s.parts.store.pg:
+        # no passes to prune PostgreSQL's changes log at: on its own (proxy.background.changes)
+        prune = s.consolidator.changes.run
+        loops.append(every(PRUNE_CHANGES_EVERY, prune, "pruning the changes log"))
     if s.counters is not None:
         loops.append(every(FLUSH_EVERY, s.counters.flush, "saving the token counters"))
     if s.parts is not None:  # other processes' writes, between searches (proxy.store.changes)
