@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _memory_commands(sub)
     keys.add_parser(sub, _common)
+    _migrate_command(sub)
 
     cfg = sub.add_parser("config", help="print settings")
     _common(cfg)
@@ -176,6 +177,28 @@ def _memory_commands(sub: Any) -> None:
     )
 
 
+def _migrate_command(sub: Any) -> None:
+    """``engram migrate`` (implemented in proxy.cli.migrate)."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "migrate",
+        help="copy memory to another backend (SQLite <-> PostgreSQL; resumable)",
+        description="Copy every user's memory from one database to another: a SQLite file "
+        "(sqlite:PATH or a path) or PostgreSQL (postgresql://...). Vectors are copied, not "
+        "recomputed; interrupted, it continues where it stopped when run again; run again "
+        "after it finished, it copies only what is new. Stop `engram serve` on both first.",
+    )
+    _common(p)
+    p.add_argument("--from", dest="source", required=True, metavar="SOURCE")
+    p.add_argument("--to", dest="dest", required=True, metavar="DEST")
+    p.add_argument("--batch", type=int, default=1000, help="rows per step (default 1000)")
+    p.add_argument(
+        "--limit", type=int, metavar="N", help="stop after N rows (run again to continue)"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="copy into another install's database anyway"
+    )
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     flags = {
         ("server", "host"): getattr(args, "host", None),
@@ -235,12 +258,15 @@ def remote_refusal(settings: Settings) -> str | None:
 
 
 def _active_keys(settings: Settings) -> int:
-    from proxy.paths import db_path
+    from proxy.paths import store_target
     from proxy.store.keys import count_active_keys
     from proxy.store.store import Store
 
+    memory = settings.memory
+    target = store_target(memory.backend, memory.postgres_url, memory.db_path)
+
     async def count() -> int:
-        async with Store(db_path(settings.memory.db_path)) as store:
+        async with Store(target) as store:
             return await store.read(count_active_keys)
 
     return asyncio.run(count())
@@ -360,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
             return serve(settings, sys.argv[1:] if argv is None else argv)
         if args.command == "keys":
             return keys.run(args, settings)
+        if args.command == "migrate":
+            from proxy.cli import migrate  # imported late: it loads the store
+
+            return migrate.run(args)
         if args.command in MEMORY_COMMANDS:
             from proxy.cli import commands  # imported late: it loads the store and the embedder
 
