@@ -23,7 +23,7 @@ from proxy.api import views as api
 from proxy.background.stats import read_counters, token_figures
 from proxy.cli import corrections
 from proxy.cli.corrections import open_embedder
-from proxy.cli.doctor import database_path, run_doctor
+from proxy.cli.doctor import database_target, run_doctor
 from proxy.cli.importer import ImportReport, import_records
 from proxy.cli.progress import Progress
 from proxy.cli.reindex import EMBED_BATCH, session_layout
@@ -35,8 +35,10 @@ from proxy.search.loading import load_embedder
 from proxy.search.pool import EmbedderPool
 from proxy.search.retrieval import Retriever
 from proxy.slots.figures import offline_stats
+from proxy.store.backend import display
 from proxy.store.counters import memory_counts
 from proxy.store.lock import DatabaseBusy, DatabaseLock
+from proxy.store.pg.reindex_lock import PgReindexLock
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]
@@ -47,8 +49,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     """Run one memory command; returns the exit code."""
     if args.command == "doctor":
         return asyncio.run(run_doctor(settings))
-    path = database_path(settings)
-    if args.command not in ("import", "note") and not path.exists():
+    path = database_target(settings)  # a SQLite file or a PostgreSQL URL
+    if args.command not in ("import", "note") and isinstance(path, Path) and not path.exists():
         return fail(f"no memory database at {path} (nothing stored yet; see --db)")
     try:
         if args.command == "import":
@@ -74,7 +76,9 @@ def fail(message: str) -> int:
     return 1
 
 
-async def _with_store(command: Command, args: argparse.Namespace, s: Settings, path: Path) -> int:
+async def _with_store(
+    command: Command, args: argparse.Namespace, s: Settings, path: Path | str
+) -> int:
     async with Store(path) as store:
         return await command(args, s, store)
 
@@ -136,7 +140,7 @@ async def sessions(args: argparse.Namespace, settings: Settings, store: Store) -
     return 0
 
 
-def export(args: argparse.Namespace, path: Path) -> int:
+def export(args: argparse.Namespace, path: Path | str) -> int:
     out: TextIO = (
         open(args.output, "w", encoding="utf-8", opener=_private)  # noqa: SIM115
         if args.output
@@ -157,7 +161,7 @@ def _private(path: str, flags: int) -> int:
     return os.open(path, flags, 0o600)
 
 
-async def _export(path: Path, user: str | None, out: TextIO) -> dict[str, int]:
+async def _export(path: Path | str, user: str | None, out: TextIO) -> dict[str, int]:
     counts = {"session": 0, "turn": 0}
     async with Store(path) as store:
         for name in [api.clean_user(user)] if user else await store.list_users():
@@ -181,7 +185,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Source]]:
                 yield n, parse_line(n, text)
 
 
-def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
+def import_file(args: argparse.Namespace, settings: Settings, db: Path | str) -> int:
     path = Path(args.file)
     if not path.is_file():
         return fail(f"no file {path}")
@@ -189,11 +193,12 @@ def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
         raise BadRequest("--batch must be at least 1")
     with path.open("rb") as fh:
         total = sum(1 for line in fh if line.strip())
-    lock = DatabaseLock(db)  # shared, as a server's: never beside `engram reindex`
+    # shared, as a server's: never beside `engram reindex` (a file lock, or an advisory one)
+    lock = DatabaseLock(db) if isinstance(db, Path) else PgReindexLock(db)
     try:
         lock.acquire(exclusive=False)
     except DatabaseBusy:
-        return fail(f"`engram reindex` is re-embedding {db}; import when it has finished")
+        return fail(f"`engram reindex` is re-embedding {display(db)}; import when it has finished")
     progress = Progress(total, sys.stderr)
     try:
         report = asyncio.run(_import(settings, db, path, args.batch, progress))
@@ -216,7 +221,7 @@ def import_file(args: argparse.Namespace, settings: Settings, db: Path) -> int:
 
 
 async def _import(
-    settings: Settings, db: Path, path: Path, batch: int, progress: Progress
+    settings: Settings, db: Path | str, path: Path, batch: int, progress: Progress
 ) -> ImportReport:
     # A bulk import is not serving chats: the model may use every core, as several sessions of
     # fewer threads each embedding part of every batch (as engram reindex does: 2 x 1 on 2 cores
@@ -256,7 +261,7 @@ async def stats(args: argparse.Namespace, settings: Settings, store: Store) -> i
     slots = await offline_stats(settings.slots, store)
     data = {
         **dataclasses.asdict(st),
-        "db": str(store.path),
+        "db": store.display,  # a URL without its password
         "per_user": per_user,
         "tokens": tokens,
         **loop,

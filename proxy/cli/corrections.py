@@ -56,10 +56,19 @@ async def open_embedder(settings: Settings, store: Store) -> Embedder | None:
 
 
 async def scrub(store: Store) -> None:
-    """Make the deleted rows' bytes leave the files (FTS merge, vacuum, checkpoint) before the
-    command exits."""
+    """Make the deleted rows' bytes leave the files (FTS merge, vacuum, checkpoint; on
+    PostgreSQL the tables rewritten) before the command exits."""
     report = await store.scrubber.scrub()
-    if report is not None and not report.checkpointed:
+    if report is None:
+        return
+    if report.skipped:  # PostgreSQL: a table's lock never came
+        print(
+            f"engram: warning: {', '.join(report.skipped)} could not be rewritten (locked by "
+            "another process's readers): the forgotten text may stay in their files until the "
+            "next forget",
+            file=sys.stderr,
+        )
+    elif not report.rewritten and not report.checkpointed:
         print(
             "engram: warning: the write-ahead log could not be emptied (another process is "
             "reading); it is when that process next checkpoints or stops",

@@ -1,12 +1,14 @@
 """``engram doctor``: check what Engram needs, one line each, ok or FAIL with the detail.
 
-SQLite driver and version, FTS5, sqlite-vec, the database file, the embedding model (loads and
-embeds a sentence), whose model the database's vectors are (the configured one, or ``engram
-reindex`` is due), the upstream (found and answering), Redis when one is configured.
+SQLite driver and version, FTS5, sqlite-vec, the database file (on PostgreSQL instead: the
+server, pgvector and the schema's version, :mod:`proxy.cli.doctor_pg`), the embedding model
+(loads and embeds a sentence), whose model the database's vectors are (the configured one, or
+``engram reindex`` is due), the upstream (found and answering), Redis when one is configured.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import time
@@ -16,11 +18,12 @@ from typing import Any
 
 from proxy.config import Settings
 from proxy.masking import display_url
-from proxy.paths import default_db_path
+from proxy.paths import default_db_path, store_target
 from proxy.redact import redact
 from proxy.search.embedder import DEFAULT_MODEL, PREVIOUS_DEFAULT
 from proxy.search.loading import ModelUnavailable, load_embedder
 from proxy.search.model_check import REINDEX, mismatch_message
+from proxy.store.backend import display, is_url
 from proxy.store.db import database_info
 from proxy.store.store import Store
 from proxy.store.vectable import vector_state
@@ -60,6 +63,15 @@ def database_path(settings: Settings) -> Path:
     return Path(configured).expanduser() if configured else default_db_path()
 
 
+def database_target(settings: Settings) -> str | Path:
+    """The store the settings name: the PostgreSQL URL (``backend = "postgres"``) or the
+    SQLite file (nothing is created)."""
+    memory = settings.memory
+    if memory.backend == "postgres":
+        return store_target(memory.backend, memory.postgres_url, memory.db_path)
+    return database_path(settings)
+
+
 def _missing_database(path: Path) -> Check | None:
     if path.exists():
         return None
@@ -70,19 +82,21 @@ def _missing_database(path: Path) -> Check | None:
 
 
 async def database_check(settings: Settings) -> Check:
-    path = database_path(settings)
-    missing = _missing_database(path)
-    if missing is not None:
-        return missing
+    target = database_target(settings)
+    shown = display(target)
+    if not is_url(target):
+        missing = _missing_database(Path(target))
+        if missing is not None:
+            return missing
     try:
-        async with Store(path) as store:
+        async with Store(target) as store:
             st = await store.stats()
     except Exception as exc:
-        return Check("database", False, f"{path}: {exc}")
+        return Check("database", False, f"{shown}: {redact(str(exc))}")
     return Check(
         "database",
         True,
-        f"{path}: schema {st.schema_version}, {st.sessions} sessions, {st.turns} turns, "
+        f"{shown}: schema {st.schema_version}, {st.sessions} sessions, {st.turns} turns, "
         f"{st.vectors} vectors, {st.db_bytes / 1e6:.1f} MB",
     )
 
@@ -108,14 +122,14 @@ async def embedder_check(settings: Settings) -> tuple[Check, tuple[str, int] | N
 
 async def vectors_check(settings: Settings, model: tuple[str, int] | None) -> Check:
     """Whose model the stored vectors are, against the configured one."""
-    path = database_path(settings)
-    if not path.exists():
+    target = database_target(settings)
+    if isinstance(target, Path) and not target.exists():
         return Check("vectors", None, "no database yet")
     try:
-        async with Store(path) as store:
+        async with Store(target) as store:
             state = await store.read(vector_state)
     except Exception as exc:
-        return Check("vectors", False, f"{path}: {exc}")
+        return Check("vectors", False, f"{display(target)}: {redact(str(exc))}")
     if model is None:
         return Check("vectors", None, f"{state.vectors} vectors of {state.model or 'no model'}")
     name, dim = model
@@ -128,7 +142,7 @@ async def vectors_check(settings: Settings, model: tuple[str, int] | None) -> Ch
             f"its {state.turns} turns with {DEFAULT_MODEL} (twice as fast per text)",
         )
     if state.vectors and (state.model != name or state.dim != dim):
-        return Check("vectors", False, mismatch_message(state, name, dim, str(path)))
+        return Check("vectors", False, mismatch_message(state, name, dim, display(target)))
     detail = f"{state.vectors} of {state.turns} turns with text have a vector of {name} ({dim}-d)"
     if state.vectors < state.turns:
         detail += f"; the rest get one in the background, or now with `{REINDEX}`"
@@ -176,13 +190,48 @@ async def redis_check(settings: Settings) -> Check:
     return Check("redis", True, f"{shown}: PING answered")
 
 
+def _not_opened(found: list[Check]) -> str:
+    """Why the PostgreSQL store was not opened, from its checks."""
+    by_name = {c.name: c for c in found}
+    if not by_name["postgres"].ok:
+        return "PostgreSQL not reached"
+    schema = by_name.get("schema")
+    if schema is not None and schema.ok and schema.detail.startswith("none yet"):
+        return "no schema yet"
+    return "the schema or pgvector is not as this Engram needs"
+
+
+async def store_checks(settings: Settings, model: tuple[str, int] | None) -> list[Check]:
+    """SQLite's checks, the database and its vectors; on PostgreSQL the server's, pgvector's
+    and the schema's first, and the store opened only when the schema is this Engram's (so
+    that doctor never migrates a database)."""
+    target = database_target(settings)
+    if not is_url(target):
+        return [
+            *sqlite_checks(),
+            await database_check(settings),
+            await vectors_check(settings, model),
+        ]
+    from proxy.cli.doctor_pg import postgres_state  # it imports Check from here
+
+    state = await asyncio.to_thread(postgres_state, str(target))
+    if not state.schema_current:
+        skipped = _not_opened(state.checks)
+        return [
+            *state.checks,
+            Check("database", None, skipped),
+            Check("vectors", None, skipped),
+        ]
+    return [*state.checks, await database_check(settings), await vectors_check(settings, model)]
+
+
 async def checks(settings: Settings) -> list[Check]:
     model_check, model = await embedder_check(settings)
+    store = await store_checks(settings, model)
     return [
-        *sqlite_checks(),
-        await database_check(settings),
+        *store[:-1],
         model_check,
-        await vectors_check(settings, model),
+        store[-1],
         await upstream_check(settings),
         await redis_check(settings),
     ]

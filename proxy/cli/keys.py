@@ -22,8 +22,10 @@ from typing import Any
 from proxy.auth import load_admin_token
 from proxy.chat.identity import is_safe_id
 from proxy.config import Settings
-from proxy.keys import KEY_ID, new_key
-from proxy.paths import db_path
+from proxy.keys import KEY_ID, new_admin_token, new_key
+from proxy.paths import db_path, store_target
+from proxy.store import queries
+from proxy.store.backend import display
 from proxy.store.keys import KeyRow, insert_key, list_keys, revoke_key
 from proxy.store.store import Store
 
@@ -52,10 +54,11 @@ def add_parser(sub: Any, common: Any) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    path = db_path(settings.memory.db_path)
+    memory = settings.memory
+    path = store_target(memory.backend, memory.postgres_url, memory.db_path)
     command = args.keys_command
     if command == "admin-token":
-        print(load_admin_token(settings.memory.admin_token, path))
+        print(asyncio.run(_admin_token(settings, path)))
         return 0
     if command == "create" and not is_safe_id(args.user):
         print(
@@ -69,7 +72,21 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(_run(args, settings, path))
 
 
-async def _run(args: argparse.Namespace, settings: Settings, path: Path) -> int:
+async def _admin_token(settings: Settings, target: str | Path) -> str:
+    """``memory.admin_token``; else the token file beside a SQLite database, or the one kept in
+    a PostgreSQL database (as the server finds it: :func:`proxy.services._admin_token`)."""
+    configured = settings.memory.admin_token
+    if isinstance(target, Path) or configured:
+        path = target if isinstance(target, Path) else db_path(settings.memory.db_path)
+        return await asyncio.to_thread(load_admin_token, configured, path)
+    from proxy.services import ADMIN_TOKEN_KEY  # imported late: the server's modules
+
+    made = new_admin_token()
+    async with Store(target) as store:
+        return await store.write(lambda c: queries.shared_value(c, ADMIN_TOKEN_KEY, made))
+
+
+async def _run(args: argparse.Namespace, settings: Settings, path: str | Path) -> int:
     async with Store(path) as store:
         if args.keys_command == "create":
             key = new_key()
@@ -80,7 +97,7 @@ async def _run(args: argparse.Namespace, settings: Settings, path: Path) -> int:
                 )
             )
             kind = "admin key" if args.admin else "key"
-            print(f"created {kind} {key.id} for user {args.user!r} in {path}")
+            print(f"created {kind} {key.id} for user {args.user!r} in {display(path)}")
             if settings.auth.mode != "keys":
                 print("note: auth.mode is 'none'; set ENGRAM_AUTH_MODE=keys to require keys")
             print("the key is shown once; keep it now:")

@@ -22,7 +22,9 @@ text is copied), on every core: several model sessions embed different batches a
 Nothing else may write vectors meanwhile (a server's embedder would write the old model's
 vectors beside the new ones, and search the new ones with the old model's queries): ``engram
 serve`` and ``engram import`` hold a shared lock beside the database (:mod:`proxy.store.lock`)
-and reindex needs it alone, so each refuses to start while the other runs. Turns stored without
+and reindex needs it alone, so each refuses to start while the other runs. On PostgreSQL the lock
+is an advisory one, and reindex also refuses while another Engram process is connected
+(:mod:`proxy.store.pg.reindex_lock`). Turns stored without
 vectors meanwhile are picked up before the swap, which checks inside its own transaction that
 none is left.
 """
@@ -46,8 +48,11 @@ from proxy.config import Settings
 from proxy.search.embedder import Embedder
 from proxy.search.loading import ModelUnavailable, load_embedder
 from proxy.store import vectable
+from proxy.store.backend import display
 from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.models import embed_text, text_hash
+from proxy.store.pg.connection import PostgresUnavailable
+from proxy.store.pg.reindex_lock import PgReindexLock
 from proxy.store.store import Store
 from proxy.vectors import Vector
 
@@ -186,20 +191,29 @@ async def _prepare(
 # --- the command ---------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace, settings: Settings, db: Path) -> int:
+def _lock(db: Path | str) -> DatabaseLock | PgReindexLock:
+    """SQLite's lock file beside the database, or PostgreSQL's advisory lock."""
+    return DatabaseLock(db) if isinstance(db, Path) else PgReindexLock(db)
+
+
+def run(args: argparse.Namespace, settings: Settings, db: Path | str) -> int:
     """``engram reindex``; the exit code."""
     if args.batch < 1 or (args.limit is not None and args.limit < 0):
         print("engram: --batch must be at least 1 and --limit at least 0", file=sys.stderr)
         return 2
-    lock = DatabaseLock(db)
+    lock = _lock(db)
     try:
         lock.acquire(exclusive=True)
-    except DatabaseBusy:
+    except DatabaseBusy as exc:
+        held = f"it holds {lock.path}" if isinstance(lock, DatabaseLock) else str(exc)
         print(
-            f"engram: an Engram server is using {db} (it holds {lock.path}): stop it, run "
+            f"engram: an Engram server is using {display(db)} ({held}): stop it, run "
             "`engram reindex`, then start it again",
             file=sys.stderr,
         )
+        return 1
+    except PostgresUnavailable as exc:
+        print(f"engram: {exc}", file=sys.stderr)
         return 1
     progress = Progress(0, sys.stderr, unit="turns")
     try:
@@ -223,7 +237,7 @@ def run(args: argparse.Namespace, settings: Settings, db: Path) -> int:
 
 
 async def _run(
-    settings: Settings, db: Path, args: argparse.Namespace, progress: Progress
+    settings: Settings, db: Path | str, args: argparse.Namespace, progress: Progress
 ) -> ReindexReport:
     count, threads = session_layout(os.cpu_count() or 1)
 

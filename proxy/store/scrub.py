@@ -20,6 +20,9 @@ at a time; deletes that ask while one runs share the next run. ``auto_vacuum`` c
 before the first table exists, or by a ``VACUUM``: :func:`ensure_incremental_vacuum` does that for
 new databases (before the schema) and, once, for older ones (:func:`proxy.store.migrations.migrate`
 calls it).
+
+On PostgreSQL the scrub is :func:`proxy.store.pg.scrub.vacuum_full` instead: every table of the
+store rewritten by ``VACUUM FULL`` (plain ``VACUUM`` leaves the bytes; that module says why).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from proxy.store.db import Connection, driver
+from proxy.store.dialect import is_pg
+from proxy.store.pg.scrub import vacuum_full
 
 T = TypeVar("T")
 
@@ -138,13 +143,17 @@ class Writes(Protocol):
 @dataclass(frozen=True)
 class ScrubReport:
     """What one scrub did: FTS merge steps, whether they had to end in one ``optimize``
-    transaction instead, free pages left, whether the log was emptied."""
+    transaction instead, free pages left, whether the log was emptied (SQLite); the tables
+    rewritten, and those skipped because their lock never came (PostgreSQL, whose WAL is never
+    emptied: ``checkpointed`` is False there)."""
 
     merge_steps: int
     optimized_at_once: bool
     free_pages_left: int
     checkpointed: bool
     seconds: float
+    rewritten: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
 
 
 async def merge_fts(store: Writes) -> tuple[int, bool]:
@@ -172,8 +181,13 @@ async def merge_fts(store: Writes) -> tuple[int, bool]:
 
 async def scrub(store: Writes) -> ScrubReport:
     """Merge the FTS segments, vacuum the freed pages, checkpoint the log, step by step on the
-    store's writer (each step queues behind the writes already waiting)."""
+    store's writer (each step queues behind the writes already waiting); on PostgreSQL,
+    rewrite the store's tables (:func:`proxy.store.pg.scrub.vacuum_full`), one writer job."""
     t0 = time.perf_counter()
+    if await store.write(is_pg, transaction=False):
+        done_pg = await store.write(vacuum_full, transaction=False)
+        seconds = time.perf_counter() - t0
+        return ScrubReport(0, False, 0, False, seconds, done_pg.rewritten, done_pg.skipped)
     steps, at_once = await merge_fts(store)
     left, vacuumed = 0, 0
     while vacuumed < MAX_STEPS:

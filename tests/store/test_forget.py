@@ -8,6 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from proxy.store import NewTurn, SessionNotFound, Store, db, indexing, migrations, queries
@@ -16,6 +17,7 @@ from proxy.store.dialect import is_pg
 from proxy.store.feedback import RecordedRequest, add_feedback, insert_request
 from proxy.store.forget import forget_session, link_slots, purge_links
 from proxy.store.items import insert_item
+from proxy.store.pg.scrub import STATISTICS
 from proxy.store.scrub import (
     AUTO_VACUUM_INCREMENTAL,
     Scrubber,
@@ -28,6 +30,8 @@ from proxy.store.scrub import (
 )
 from proxy.store.slots import SlotRow, upsert_slots
 from proxy.store.summaries import Summary, get_summary, put_summary
+from testing.postgres import PostgresServer
+from tests.store.conftest import new_database
 
 FORGETTING = 9
 """The migration that brings slot_sessions and sessions_ad_items."""
@@ -143,9 +147,11 @@ async def test_connections_delete_securely_and_scrub_empties_the_log(tmp_path: P
 
 
 @pytest.mark.asyncio
-async def test_deletes_asking_while_a_scrub_runs_share_the_next_one(tmp_path: Path) -> None:
-    """SQLite's scrub (FTS merge, vacuum, checkpoint); PostgreSQL's VACUUM is not built yet."""
-    async with Store(tmp_path / "m.db") as store:
+async def test_deletes_asking_while_a_scrub_runs_share_the_next_one(
+    store_target: str | Path,
+) -> None:
+    """SQLite's scrub (FTS merge, vacuum, checkpoint), PostgreSQL's (VACUUM FULL)."""
+    async with Store(store_target) as store:
         scrubber = Scrubber(store)
         results = await asyncio.gather(*(scrubber.scrub() for _ in range(10)))
         assert scrubber.runs <= 2 and sum(r is not None for r in results) == scrubber.runs
@@ -250,3 +256,113 @@ async def test_the_fts_merge_ends_however_much_is_written_beside_it(
         assert found == writes  # everything written beside it is indexed
     finally:
         await store.close()
+
+
+SECRET = "the zzqxvelmorant key opens the blue door"
+SECRET_BYTES = (SECRET.encode(), b"zzqxvelmor")  # the sentence, and its lexeme in the tsvector
+
+
+def relation_files(url: str, data_dir: Path) -> list[Path]:
+    """The files of every table, index and TOAST table of ``url``'s database (their forks and
+    segments too), after a ``CHECKPOINT`` has written every dirty page out."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+        rows = conn.execute(
+            "SELECT relkind, pg_relation_filepath(oid) FROM pg_class"
+            " WHERE pg_relation_filepath(oid) IS NOT NULL"
+        ).fetchall()
+    assert {kind for kind, _ in rows} >= {"r", "i", "t"}  # tables, indexes, TOAST tables
+    files: list[Path] = []
+    for _, relpath in rows:
+        main = data_dir / relpath
+        forks = [main, *main.parent.glob(f"{main.name}.*"), *main.parent.glob(f"{main.name}_*")]
+        files += [f for f in forks if f.exists()]
+    return files
+
+
+def holding(files: list[Path]) -> dict[str, list[bytes]]:
+    """Which files hold which of :data:`SECRET_BYTES`."""
+    found: dict[str, list[bytes]] = {}
+    for f in files:
+        data = f.read_bytes()
+        for needle in SECRET_BYTES:
+            if needle in data:
+                found.setdefault(f.name, []).append(needle)
+    return found
+
+
+async def _pg_store_with_a_secret(url: str) -> Store:
+    """A PostgreSQL store with 600 turns and, last (the lowest tuple of its heap page, which
+    plain VACUUM leaves where it is), the secret: as a turn, in a summary and a logged query."""
+    store = Store(url, readers=1)
+    await store.open()
+    await store.get_or_create_session("u", "big")
+    await store.get_or_create_session("u", "secret")
+    lines = [f"note {i} about w{i % 97} and w{i % 13}" for i in range(600)]
+    await store.add_turns("big", "u", [NewTurn(i, "user", t) for i, t in enumerate(lines)])
+
+    def secrets(c: db.Connection) -> None:
+        put_summary(c, Summary("secret", f"summary: {SECRET}", 1, 1, time.time()), None)
+        insert_request(c, RecordedRequest("r1", "u", "secret", None, SECRET, [], time.time()))
+
+    await store.write(secrets)
+    await store.add_turns("secret", "u", [NewTurn(0, "user", SECRET)])
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ANALYZE")  # as autovacuum would: samples of each column in pg_statistic
+    return store
+
+
+def sampled(url: str) -> list[tuple[str, str]]:
+    """The columns whose statistics (histogram, most common values) hold the secret: they are
+    compressed in pg_statistic's files, where :func:`holding` cannot see them."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT tablename::text, attname::text FROM pg_stats WHERE concat("
+            "histogram_bounds::text, most_common_vals::text) LIKE %s ORDER BY 1, 2",
+            (f"%{SECRET_BYTES[1].decode()}%",),
+        ).fetchall()
+    return [(str(t), str(a)) for t, a in rows]
+
+
+@pytest.mark.asyncio
+async def test_a_forgotten_sentence_leaves_every_postgresql_relation_file(
+    pg_server: PostgresServer,
+) -> None:
+    """Forget, scrub (VACUUM FULL of the store's tables), and the sentence is in no file of any
+    table, index or TOAST table, nor in the planner's statistics; before forgetting, the same
+    searches find it (the checks work)."""
+    url = new_database(pg_server)
+    store = await _pg_store_with_a_secret(url)
+    try:
+        before = holding(relation_files(url, pg_server.data_dir))
+        assert len(before) >= 3  # turns, turns_fts, its GIN index (summaries, requests…)
+        assert ("turns", "content") in sampled(url)
+        assert await store.delete_session("secret")
+        assert holding(relation_files(url, pg_server.data_dir))  # deleted, still in the files
+        report = await store.scrubber.scrub()
+        assert report is not None and not report.skipped
+        tables = {"turns", "turns_fts", "summaries", "requests", "changes", STATISTICS}
+        assert tables <= set(report.rewritten)
+        assert holding(relation_files(url, pg_server.data_dir)) == {}
+        assert sampled(url) == []
+        assert await store.count_turns("big") == 600  # the rest is all there
+        assert len(await store.fts_search("u", "w13", 10)) == 10
+    finally:
+        await store.close()
+
+
+@pytest.mark.asyncio
+async def test_plain_vacuum_leaves_a_forgotten_sentence_in_the_files(
+    pg_server: PostgresServer,
+) -> None:
+    """Why the scrub is VACUUM FULL: after a plain VACUUM the deleted tuple that was its page's
+    last stays in the heap, and the GIN index keeps the lexeme."""
+    url = new_database(pg_server)
+    store = await _pg_store_with_a_secret(url)
+    try:
+        assert await store.delete_session("secret")
+    finally:
+        await store.close()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM")
+    assert holding(relation_files(url, pg_server.data_dir))

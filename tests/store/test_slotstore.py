@@ -400,11 +400,7 @@ async def test_engram_stats_shows_slot_figures(
     env: Env,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
-    request: pytest.FixtureRequest,
 ) -> None:
-    if not isinstance(env.db, Path):  # strict: fails once the command line learns PostgreSQL
-        reason = "engram stats opens no PostgreSQL yet (proxy/cli/commands.py: database_path)"
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
     clean_environment(monkeypatch)
     if env.redis is not None:
         monkeypatch.setenv("ENGRAM_SLOTS_REDIS_URL", env.redis.url)

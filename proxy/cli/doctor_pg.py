@@ -1,0 +1,135 @@
+"""``engram doctor`` on PostgreSQL (``[memory] backend = "postgres"``): the server, pgvector, the
+schema's version, one line each.
+
+- ``postgres``: the server answers within :data:`CONNECT_TIMEOUT_S` (its version).
+- ``pgvector``: the ``vector`` extension is installed in the database (its version); not yet
+  installed is fine only where Engram's first start can create it (a superuser, schema not made
+  yet), otherwise the line says who must run ``CREATE EXTENSION vector``.
+- ``schema``: the schema's version is this Engram's (:func:`proxy.store.pg.migrate.latest_version`);
+  behind or ahead fails, naming both versions. No schema yet is fine (made at first start).
+
+The URL is shown as :func:`proxy.store.backend.display` shows it: no user, no password.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.cli.doctor import Check
+from proxy.redact import redact
+from proxy.store.backend import display
+from proxy.store.pg.connection import normalise_url, redact_error
+from proxy.store.pg.migrate import applied_versions, latest_version
+
+CONNECT_TIMEOUT_S = 3
+STATEMENT_TIMEOUT = "5s"
+
+
+@dataclass(frozen=True)
+class PgState:
+    """What the checks found, and whether the store may be opened (the schema is current:
+    opening it must not migrate a database behind, nor refuse one ahead)."""
+
+    checks: list[Check]
+    schema_current: bool
+
+
+def _connect(url: str) -> Any:
+    import psycopg
+
+    raw = psycopg.connect(
+        normalise_url(url),
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        application_name="engram doctor",
+    )
+    raw.execute(f"SET statement_timeout = '{STATEMENT_TIMEOUT}'")
+    return raw
+
+
+def _one(raw: Any, sql: str) -> Any:
+    row = raw.execute(sql).fetchone()
+    return None if row is None else row[0]
+
+
+def _vector_check(raw: Any, has_schema: bool) -> Check:
+    installed = _one(raw, "SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+    if installed is not None:
+        return Check("pgvector", True, f"vector {installed} installed")
+    available = _one(
+        raw, "SELECT default_version FROM pg_available_extensions WHERE name = 'vector'"
+    )
+    if available is None:
+        return Check(
+            "pgvector",
+            False,
+            "the vector extension is not installed in this database and not available on the "
+            "server: install pgvector (https://github.com/pgvector/pgvector) on it",
+        )
+    superuser = bool(_one(raw, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"))
+    if superuser and not has_schema:
+        return Check(
+            "pgvector", True, f"vector {available} available, created by Engram's first start"
+        )
+    return Check(
+        "pgvector",
+        False,
+        f"the vector extension is not installed in this database (the server has {available}): "
+        "a superuser runs CREATE EXTENSION vector in it",
+    )
+
+
+def _schema_check(versions: list[int]) -> Check:
+    latest = latest_version()
+    if not versions:
+        return Check("schema", True, f"none yet: Engram's first start creates version {latest}")
+    current = max(versions)
+    if current == latest:
+        return Check("schema", True, f"version {current} (this Engram's)")
+    if current < latest:
+        return Check(
+            "schema",
+            False,
+            f"version {current}, behind this Engram's {latest}: `engram serve` migrates it "
+            "at start",
+        )
+    return Check(
+        "schema",
+        False,
+        f"version {current}, newer than this Engram (knows up to {latest}): upgrade Engram",
+    )
+
+
+def postgres_state(url: str) -> PgState:
+    """Connect to ``url`` and check the server, pgvector and the schema (blocking: run it off
+    the event loop)."""
+    shown = display(url)
+    try:
+        raw = _connect(url)
+    except Exception as exc:
+        why = redact(redact_error(exc))
+        return PgState(
+            [
+                Check("postgres", False, f"{shown}: no answer: {why}"),
+                Check("pgvector", None, "server not reached"),
+                Check("schema", None, "server not reached"),
+            ],
+            False,
+        )
+    try:
+        version = _one(raw, "SHOW server_version")
+        versions = applied_versions(raw)
+        schema = _schema_check(versions)
+        findings = [
+            Check("postgres", True, f"{shown}: PostgreSQL {version}"),
+            _vector_check(raw, bool(versions)),
+            schema,
+        ]
+    except Exception as exc:
+        why = redact(redact_error(exc))
+        return PgState([Check("postgres", False, f"{shown}: {why}")], False)
+    finally:
+        raw.close()
+    current = bool(versions) and schema.ok is True and all(c.ok is not False for c in findings)
+    return PgState(findings, current)
