@@ -160,7 +160,7 @@ def _memory_commands(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=256, help="lines per batch (default 256)")
     p = add("stats", "counts and sizes")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p = add("doctor", "check SQLite, FTS5, sqlite-vec, the model, the upstream")
+    p = add("doctor", "check the store (SQLite or PostgreSQL, pgvector), the model, the upstream")
     p.add_argument("--upstream", metavar="URL", help="model server base URL")
     p = add(
         "reindex",
