@@ -17,9 +17,12 @@ session stores the turns from the point where they differ.
 
 :func:`place` only reads: a session it finds no place for is planned (``Placement.created``), and
 :func:`commit_turns` creates it in the archive's transaction, after the upstream accepted the
-request, so a rejected request leaves no session behind. The commit checks the placement again:
-if a concurrent request of the same conversation stored something else at these positions
-meanwhile, the rest forks there. All SQL is in :mod:`proxy.store`.
+request, so a rejected request leaves no session behind. The commit checks the placement again,
+holding the conversation's lock (:mod:`proxy.store.twins`: commits of one conversation on
+replicas sharing one PostgreSQL run one at a time, as SQLite's do): if a concurrent request of
+the same conversation stored something else at these positions meanwhile, the rest forks there;
+a new conversation's twin (the same first request, sent while this one ran) joins the session it
+made. All SQL is in :mod:`proxy.store`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 
 from proxy.chat.turn import Placement
 from proxy.errors import NestingLimitExceeded, ParentNotFound
-from proxy.store import queries
+from proxy.store import queries, twins
 from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session
 from proxy.store.naming import RESERVED_PREFIXES, create_named, free_session_id, named_session
@@ -169,13 +172,27 @@ def place(conn: Connection, req: PlacementRequest, now: float) -> Placement:
     return Placement(planned, matched, False, True, matched)
 
 
-def _materialise(conn: Connection, placement: Placement, now: float) -> Session | None:
+def _materialise(
+    conn: Connection, placement: Placement, first: NewTurn, now: float
+) -> Session | None:
     """The session a placement planned, created now (or the one a concurrent request created
-    under the same name meanwhile); None when its parent was deleted during the request."""
+    under the same name, or a twin of this request created with the same first row, meanwhile:
+    :mod:`proxy.store.twins`); None when its parent was deleted during the request."""
     planned = placement.session
     if planned.parent_id is not None and queries.get_session(conn, planned.parent_id) is None:
         return None
     if not placement.explicit:
+        twin = twins.created_since(
+            conn,
+            planned.user_id,
+            planned.parent_id,
+            first.position,
+            first.identity(),
+            planned.created_at,
+        )
+        if twin is not None:
+            log.debug("a twin request created %s meanwhile: joined", twin.id)
+            return twin
         return _create_chain(conn, planned, now)
     session = create_named(
         conn,
@@ -194,6 +211,18 @@ def _materialise(conn: Connection, placement: Placement, now: float) -> Session 
     return session
 
 
+def _conversation_key(placement: Placement, first: NewTurn) -> tuple[str, ...]:
+    """What names the conversation a commit writes to, for :func:`twins.lock_conversation`: its
+    user and name when the client named it (created or not), the session when it exists, the
+    user and first row's chain hash when it is new (the key its twins share)."""
+    session = placement.session
+    if placement.explicit:
+        return ("name", session.user_id, session.name)
+    if placement.created:
+        return ("new", session.user_id, first.identity())
+    return ("session", session.id)
+
+
 def commit_turns(
     conn: Connection, placement: Placement, rows: list[NewTurn], now: float
 ) -> tuple[Session, list[tuple[int, NewTurn]]]:
@@ -206,8 +235,10 @@ def commit_turns(
     of this conversation went another way meanwhile, so this row and the rest go to a new
     session forked there (as :func:`place` forks an edited conversation).
     """
+    first = min(rows, key=lambda r: r.position)
+    twins.lock_conversation(conn, *_conversation_key(placement, first))
     found = (
-        _materialise(conn, placement, now)
+        _materialise(conn, placement, first, now)
         if placement.created
         else queries.get_session(conn, placement.session.id)
     )
