@@ -18,7 +18,9 @@ import pytest_asyncio
 from testing.agents import Agents, AgentsMissing, find_agents
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, start_engram
+from testing.postgres import PostgresServer
 from testing.redis_server import RedisServer, find_redis_server
+from tests.pg import running_postgres
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -74,3 +76,15 @@ def agents() -> Agents:
         if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
             pytest.fail(f"CI=true but {reason}", pytrace=False)
         pytest.skip(reason)
+
+
+@pytest.fixture
+def pg() -> Iterator[PostgresServer]:
+    """A PostgreSQL of the test's own (it may stop and start it)."""
+    yield from running_postgres()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """One PostgreSQL for the session's tests that each take a database of their own."""
+    yield from running_postgres()

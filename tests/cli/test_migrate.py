@@ -14,13 +14,11 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psycopg
-import pytest
 
 from proxy.cli import migrate
 from proxy.search.fts_query import to_match
@@ -28,21 +26,12 @@ from proxy.store import backend, counters, feedback, items, keys, queries
 from proxy.store.models import NewTurn
 from proxy.store.store import Store
 from proxy.vectors import Vector, as_vector
-from testing.postgres import PostgresError, PostgresServer, postgres_server
+from testing.postgres import PostgresServer
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL, DIM = "test-model", 8
 _databases = itertools.count(1)
 TABLES = [t.name for t in migrate.PLAN] + ["meta", "embed_models", "turn_vec"]
-
-
-@pytest.fixture(scope="module")
-def pg_server() -> Iterator[PostgresServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 def new_database(server: PostgresServer, password: str = "") -> str:

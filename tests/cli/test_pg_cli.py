@@ -17,8 +17,9 @@ from proxy.config import load_settings
 from proxy.store import NewTurn, Store
 from proxy.store.pg.reindex_lock import PgReindexLock
 from testing.fake_upstream import FakeUpstream
-from testing.postgres import PostgresError, PostgresServer, postgres_server
+from testing.postgres import PostgresServer
 from tests.cli.test_cli import LINES
+from tests.pg import running_postgres
 from tests.store.conftest import new_database
 
 PASSWORD = "s3cret-pw-never-shown"
@@ -26,11 +27,8 @@ PASSWORD = "s3cret-pw-never-shown"
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PostgresServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    """This file's own server (one test stops and starts it)."""
+    yield from running_postgres()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from proxy.store import NewTurn, Store, leases
 from proxy.store.pg import follow
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply, RecordedRequest
-from testing.postgres import PostgresError, PostgresServer, postgres_server
+from testing.postgres import PostgresServer
 from tests.proxy.test_rewrite import long_chat
 from tests.proxy.test_serve import start_serve
 from tests.store.test_changes import _pair, contents
@@ -34,15 +34,6 @@ pytestmark = pytest.mark.asyncio
 USER = {"X-Engram-User": "jobs"}
 SUMMARY = "The user asked many numbered questions about lorem ipsum; question 3 was on lorem."
 LEASE_S = 1.0  # memory.job_lease: a dead replica's job is taken over within a second
-
-
-@pytest.fixture
-def pg() -> Iterator[PostgresServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 def database(pg: PostgresServer) -> str:

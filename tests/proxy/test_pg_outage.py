@@ -9,7 +9,6 @@ import itertools
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -17,21 +16,12 @@ import psycopg
 import pytest
 
 from testing.fake_upstream import FakeUpstream
-from testing.postgres import PostgresError, PostgresServer, postgres_server
+from testing.postgres import PostgresServer
 from tests.proxy.test_serve import start_serve
 
 pytestmark = pytest.mark.asyncio
 
 PASSWORD = "s3cret-never-shown"  # trust logins ignore it; it must show up nowhere
-
-
-@pytest.fixture
-def pg() -> Iterator[PostgresServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 async def chat(http: aiohttp.ClientSession, url: str, text: str) -> tuple[int, int]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -25,22 +24,13 @@ import pytest
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply
 from testing.harness import Engram, settle, start_engram
-from testing.postgres import PostgresError, PostgresServer, postgres_server
+from testing.postgres import PostgresServer
 from testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.asyncio
 
 FACT = "my sister's tortoise is called Zanzibar and she eats dandelions"
 REGENERATIONS = 10  # pairs of replies committed at once: enough that an unguarded commit races
-
-
-@pytest.fixture
-def pg() -> Iterator[PostgresServer]:
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 def memory_database(pg: PostgresServer) -> str:

@@ -8,25 +8,14 @@ A test file asks for ``store_target`` instead of ``tmp_path / "memory.db"`` and 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from testing.postgres import PostgresError, PostgresServer, postgres_server
+from testing.postgres import PostgresServer
 
 _databases = itertools.count(1)
-
-
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[PostgresServer]:
-    """One PostgreSQL for the session's store tests (each gets a database of its own)."""
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 def new_database(server: PostgresServer) -> str:

