@@ -1,7 +1,7 @@
 """Retrieval quality on LoCoMo, through Engram's own import, store and Retriever.
 
     .venv/bin/python -m bench.locomo [--limit-conversations N] [--json out.json]
-        [--config K,N,FTS_W,VEC_W ...]
+        [--config K,N,FTS_W,VEC_W ...] [--backend sqlite,postgres] [--caches held,cold]
 
 Each of the 10 conversations becomes one user namespace in a fresh temporary database (one
 Engram session per LoCoMo session, timestamps from ``session_N_date_time``, image captions
@@ -16,6 +16,14 @@ recall@k = |evidence ∩ top-k| / |evidence|, averaged over questions (LoCoMo's 
 hit@k = 1 if any evidence turn is in the top k. Targets: hybrid R@10 ≥ 0.70, R@5 ≥ 0.60, and
 hybrid ahead of both single paths (R@10) in every category.
 
+``--backend``: the store on SQLite (a temporary file) and/or PostgreSQL (a database on a server
+started for the run, :mod:`bench.backends`), each loaded the same way. ``--caches``: ``held``
+(the store's defaults: each user's BM25 terms and vectors held in memory, loaded at the first
+search) and/or ``cold`` (``Store(fts_memory=0, vec_memory=0)``: nothing held, so every search
+takes the database's own path, the one a user whose caches are not held gets: FTS5 bm25 and vec0
+on SQLite, ``ts_rank_cd`` over ``tsvector`` and pgvector's exact KNN on PostgreSQL). With more
+than one, a last table sets R@5 / R@10 of every (backend, caches) side by side.
+
 Embeddings are cached in ``--cache-dir`` (default ~/.cache/engram-bench), so only the first run
 spends minutes in the model. The data is CC BY-NC: it is read in place, never copied.
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,6 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.backends import BACKENDS, store_target
 from bench.common import (
     CATEGORIES,
     DEFAULT_CACHE,
@@ -54,7 +64,7 @@ from bench.common import (
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.retrieval import Retriever
-from proxy.store import Store
+from proxy.store import Store, term_cache, vec_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -67,6 +77,11 @@ TARGET_VEC_R10 = 0.65
 TARGET_CATEGORY_R10 = {1: 0.60, 3: 0.55}
 """Multi-hop and open-domain R@10 targets (issue 14)."""
 METRICS = [f"R@{k}" for k in KS] + [f"H@{k}" for k in HITS]
+CACHES: dict[str, tuple[int, int]] = {
+    "held": (term_cache.MAX_BYTES, vec_cache.MAX_BYTES),
+    "cold": (0, 0),
+}
+"""Store's (fts_memory, vec_memory) per ``--caches``: the defaults, or nothing held in memory."""
 
 
 def parse_config(text: str) -> dict[str, Any]:
@@ -278,30 +293,70 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "runs": [],
     }
+    out["imports"] = {}
     try:
-        with tempfile.TemporaryDirectory(prefix="engram-locomo-") as tmp:
-            async with Store(Path(tmp) / "locomo.db") as store:
-                dia, path, seconds, warning = await load(store, embedder, convs, args.via)
+        for backend in args.backend:
+            with contextlib.ExitStack() as stack:
+                tmp = Path(
+                    stack.enter_context(tempfile.TemporaryDirectory(prefix="engram-locomo-"))
+                )
+                target = stack.enter_context(store_target(backend, tmp, "locomo"))
+                async with Store(target) as store:
+                    dia, path, seconds, warning = await load(store, embedder, convs, args.via)
                 embedder.save()
-                out["import"] = {"path": path, "seconds": round(seconds, 1)}
-                out["warning"] = warning
-                for config in configs:
-                    settings = dataclasses.replace(RetrievalSettings(), **config)
-                    t0 = time.perf_counter()
-                    ranked = await ask(Retriever(store, embedder, settings), convs, questions, dia)
-                    results = {m: score(ranked[m], questions) for m in MODES}
-                    out["runs"].append(
-                        {
-                            "config": config,
-                            "results": results,
-                            "checks": verdicts(results, ranked, questions),
-                            "seconds": round(time.perf_counter() - t0, 1),
-                        }
-                    )
-                    embedder.save()
+                out["imports"][backend] = {"path": path, "seconds": round(seconds, 1)}
+                out.setdefault("import", out["imports"][backend])
+                out["warning"] = out.get("warning") or warning
+                for caches in args.caches:
+                    fts_memory, vec_memory = CACHES[caches]
+                    async with Store(target, fts_memory=fts_memory, vec_memory=vec_memory) as store:
+                        for config in configs:
+                            out["runs"].append(
+                                await one_run(store, embedder, convs, questions, dia, config)
+                                | {"backend": backend, "caches": caches}
+                            )
+                            embedder.save()
     finally:
         await embedder.aclose()
     return out
+
+
+async def one_run(
+    store: Store,
+    embedder: DiskCachedEmbedder,
+    convs: list[LocomoConversation],
+    questions: list[LocomoQuestion],
+    dia: dict[str, dict[int, str]],
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """Every question in every mode under ``config``; the scores and the checks."""
+    settings = dataclasses.replace(RetrievalSettings(), **config)
+    t0 = time.perf_counter()
+    ranked = await ask(Retriever(store, embedder, settings), convs, questions, dia)
+    results = {m: score(ranked[m], questions) for m in MODES}
+    return {
+        "config": config,
+        "results": results,
+        "checks": verdicts(results, ranked, questions),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+def side_by_side(runs: list[dict[str, Any]]) -> str:
+    """R@5 / R@10 / H@10 overall per mode, a column pair per (backend, caches, config), and
+    each column's R@10 minus the first's."""
+    names = [f"{r['backend']}, {r['caches']}" for r in runs]
+    if len({config_name(r["config"]) for r in runs}) > 1:
+        names = [f"{n}, {config_name(r['config'])}" for n, r in zip(names, runs, strict=True)]
+    head = "| mode | " + " | ".join(f"{n}: R@5 / R@10 / H@10" for n in names)
+    head += " | " + " | ".join(f"R@10 {n} minus {names[0]}" for n in names[1:]) + " |"
+    lines = [head, "|---|" + "---|" * (2 * len(runs) - 1)]
+    for mode in MODES:
+        cells = [r["results"][mode]["all"] for r in runs]
+        row = [f"{c['R@5']:.3f} / {c['R@10']:.3f} / {c['H@10']:.3f}" for c in cells]
+        row += [f"{c['R@10'] - cells[0]['R@10']:+.3f}" for c in cells[1:]]
+        lines.append(f"| {mode} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -328,8 +383,25 @@ def main() -> int:
         default="auto",
         help="load through proxy.cli.importer (auto: when it exists) or Store.add_turns",
     )
+    parser.add_argument(
+        "--backend",
+        default="sqlite",
+        help=f"the store's backends to run on, by comma: {', '.join(BACKENDS)}",
+    )
+    parser.add_argument(
+        "--caches",
+        default="held",
+        help="held (the defaults) and/or cold (nothing held in memory: the database's own "
+        "ranking), by comma",
+    )
     parser.add_argument("--fail-on-miss", action="store_true", help="exit 1 if a target fails")
     args = parser.parse_args()
+    args.backend = [b for b in args.backend.split(",") if b]
+    args.caches = [c for c in args.caches.split(",") if c]
+    if not set(args.backend) <= set(BACKENDS) or not args.backend:
+        parser.error(f"--backend: {', '.join(BACKENDS)}, by comma")
+    if not set(args.caches) <= set(CACHES) or not args.caches:
+        parser.error(f"--caches: {', '.join(CACHES)}, by comma")
     if not args.data.is_file():
         parser.error(f"no LoCoMo data at {args.data} (see --data)")
     out = asyncio.run(run(args))
@@ -337,7 +409,9 @@ def main() -> int:
     print(
         f"LoCoMo: {out['conversations']} conversations = user namespaces in one database, "
         f"{out['turns']} turns, {out['questions']} questions (categories 1-4); imported through "
-        f"{out['import']['path']} in {out['import']['seconds']} s (embeddings cached)."
+        f"{out['import']['path']} ("
+        + ", ".join(f"{b}: {i['seconds']} s" for b, i in out["imports"].items())
+        + ", embeddings cached)."
     )
     if out["warning"]:
         print(out["warning"], file=sys.stderr)
@@ -345,12 +419,16 @@ def main() -> int:
     print("\n".join(evidence_report_from(out)))
     failed = False
     for run_ in out["runs"]:
-        print(f"\n### {config_name(run_['config'])} ({run_['seconds']} s)\n")
+        where = f"{run_['backend']}, caches {run_['caches']}"
+        print(f"\n### {where}: {config_name(run_['config'])} ({run_['seconds']} s)\n")
         print(tables(run_["results"]))
         print()
         for text, ok in run_["checks"]:
             print(f"- {'PASS' if ok else 'FAIL'}: {text}")
             failed |= not ok
+    if len(out["runs"]) > 1:
+        print("\n### Side by side (overall)\n")
+        print(side_by_side(out["runs"]))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str) + "\n")
     return 1 if failed and args.fail_on_miss else 0

@@ -17,6 +17,14 @@ LoCoMo question (numbered, so no two texts repeat and no cache answers them).
     is answered, for ``--seconds`` per cell, with memory read-only, on and off; the server's CPU
     time per request (its process, every thread, from ``/proc``).
 
+``--backend postgres``: the same database copied into PostgreSQL (:mod:`bench.backends`: a
+server started for the run; ``engram migrate --from sqlite:PATH --to URL`` where that command
+exists, else the same records imported through the Store API with the cached vectors, then
+``VACUUM ANALYZE``, as autovacuum would soon after), each run serving a copy of it (``CREATE
+DATABASE ... TEMPLATE``), ``engram serve`` pointed at it by ``ENGRAM_MEMORY_BACKEND`` and
+``ENGRAM_MEMORY_POSTGRES_URL``. PostgreSQL's CPU (its backends') is reported per request beside
+Engram's.
+
 Beside both: the query embedding's own time on this machine (``FastEmbedEmbedder.embed_queries``,
 one ONNX thread, one question at a time, in this process before the server starts), and each
 figure's ratio to it (issue 26: memory should cost about one embedding, whatever the CPU).
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,11 +42,21 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psycopg
 
+from bench.backends import (
+    BACKENDS,
+    copy_from_sqlite,
+    create_database,
+    pg_cpu_seconds,
+    pg_server,
+    serve_env,
+)
 from bench.common import (
     DEFAULT_CACHE,
     DEFAULT_LOCOMO,
@@ -52,6 +71,7 @@ from bench.common import (
 from bench.retrieval import serving
 from proxy.search.embedder import DEFAULT_MODEL, FastEmbedEmbedder
 from proxy.store import Store
+from testing.postgres import PostgresServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -110,14 +130,53 @@ async def cached_db(n: int, cache_dir: Path, convs: Any) -> Path:
     for p in tmp.parent.glob(tmp.name + "*"):
         p.unlink()
     t0 = time.perf_counter()
-    async with Store(tmp) as store:
-        await store.ensure_embedding_model(cached.name)
-        await import_turns(store, cached, synthetic_records(convs, n, USER), batch=2048)
-        await store.write(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)"), transaction=False)
-    await cached.aclose()
+    try:
+        async with Store(tmp) as store:
+            await fill(store, cached, convs, n)
+            await store.write(
+                lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)"), transaction=False
+            )
+    finally:
+        await cached.aclose()
     tmp.replace(path)
     print(f"built {n} turns in {time.perf_counter() - t0:.0f} s: {path}", file=sys.stderr)
     return path
+
+
+async def fill(store: Store, embedder: DiskCachedEmbedder, convs: Any, n: int) -> None:
+    """Store :data:`USER`'s ``n`` synthetic turns (vectors from the embedder's cache)."""
+    await store.ensure_embedding_model(embedder.name)
+    await import_turns(store, embedder, synthetic_records(convs, n, USER), batch=2048)
+
+
+async def postgres_source(
+    server: PostgresServer, source: Path, n: int, cache_dir: Path, convs: Any
+) -> dict[str, Any]:
+    """Database ``source`` on ``server`` holding what the SQLite file ``source`` holds, then
+    vacuumed and analysed; how it was copied and the seconds it took."""
+    url = create_database(server, "source")
+
+    async def through_store(target: str) -> None:
+        cached = DiskCachedEmbedder(FastEmbedEmbedder(DEFAULT_MODEL, threads=2), cache_dir)
+        try:
+            async with Store(target) as store:
+                await fill(store, cached, convs, n)
+        finally:
+            await cached.aclose()
+
+    how, seconds = await copy_from_sqlite(source, url, through_store)
+    t0 = time.perf_counter()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+        row = conn.execute("SELECT count(*) FROM turns WHERE user_id = %s", (USER,)).fetchone()
+    if row is None or row[0] != n:
+        raise RuntimeError(f"PostgreSQL holds {row and row[0]} turns of {USER}, not {n}")
+    print(f"copied {n} turns into PostgreSQL ({how}) in {seconds:.0f} s", file=sys.stderr)
+    return {
+        "how": how,
+        "seconds": round(seconds, 1),
+        "vacuum_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 # ---- requests ----------------------------------------------------------------------------
@@ -163,21 +222,24 @@ async def paired(
     mode: str,
     pairs: int,
     pid: int | None = None,
+    db_cpu: Callable[[], float] = lambda: 0.0,
 ) -> dict[str, Any]:
-    """``mode`` against ``off``, one request at a time, alternating which goes first."""
+    """``mode`` against ``off``, one request at a time, alternating which goes first;
+    ``db_cpu``: the database server's CPU seconds so far (PostgreSQL's)."""
     times: dict[str, list[float]] = {mode: [], "off": []}
     start_load = load()
-    cpu0 = 0.0
+    cpu0 = db0 = 0.0
     for i in range(pairs + WARMUP):
         q = qs.next()
         order = (mode, "off") if i % 2 == 0 else ("off", mode)
         if i == WARMUP:
-            cpu0 = cpu_seconds(pid)
+            cpu0, db0 = cpu_seconds(pid), db_cpu()
         for m in order:
             seconds = await chat(http, url, m, q)
             if i >= WARMUP:
                 times[m].append(seconds)
     cpu = cpu_seconds(pid) - cpu0
+    db = db_cpu() - db0
     on, off = times[mode], times["off"]
     return {
         "mode": mode,
@@ -189,6 +251,7 @@ async def paired(
         "added_p50": pct(on, 50) - pct(off, 50),
         "added_p95": pct(on, 95) - pct(off, 95),
         "cpu_per_pair": cpu * 1000 / max(1, pairs),  # ms, the mode's request and off's
+        "db_cpu_per_pair": db * 1000 / max(1, pairs),
         "load": f"{start_load} -> {load()}",
     }
 
@@ -201,14 +264,17 @@ async def closed_loop(
     c: int,
     seconds: float,
     pid: int | None = None,
+    db_cpu: Callable[[], float] = lambda: 0.0,
 ) -> dict[str, Any]:
-    """``c`` clients, each sending its next request when the last is answered."""
+    """``c`` clients, each sending its next request when the last is answered; ``db_cpu``:
+    the database server's CPU seconds so far."""
     times: list[float] = []
     errors = 0
     warm_until = time.perf_counter() + min(2.0, seconds / 5)
     stop = warm_until + seconds
     start_load = load()
     cpu_at: list[float] = []
+    db_at: list[float] = []
 
     async def client() -> None:
         nonlocal errors
@@ -224,8 +290,10 @@ async def closed_loop(
     async def meter() -> None:  # the server's CPU over the measured seconds
         await asyncio.sleep(max(0.0, warm_until - time.perf_counter()))
         cpu_at.append(cpu_seconds(pid))
+        db_at.append(db_cpu())
         await asyncio.sleep(max(0.0, stop - time.perf_counter()))
         cpu_at.append(cpu_seconds(pid))
+        db_at.append(db_cpu())
 
     await asyncio.gather(meter(), *(client() for _ in range(c)))
     return {
@@ -237,6 +305,7 @@ async def closed_loop(
         "p95": pct(times, 95),
         "errors": errors,
         "cpu_per_request": (cpu_at[1] - cpu_at[0]) * 1000 / max(1, len(times)),  # ms
+        "db_cpu_per_request": (db_at[1] - db_at[0]) * 1000 / max(1, len(times)),
         "load": f"{start_load} -> {load()}",
     }
 
@@ -254,6 +323,9 @@ def report(out: dict[str, Any]) -> str:
         f"Query embedding alone (embed_queries, 1 ONNX thread, one question): p50 {e50:.1f} ms, "
         f"p95 {e.get('p95', float('nan')):.1f} ms, CPU {ecpu:.1f} ms a query (load "
         f"{e.get('load', '-')})",
+        "",
+        f"Backend: {out.get('backend', 'sqlite')}"
+        + (f" (copied through {c['how']} in {c['seconds']:g} s)" if (c := out.get("copy")) else ""),
         "",
         f"(a) c=1, a new chat per question, {n:,} turns stored for the user{warm}",
         "",
@@ -284,10 +356,15 @@ def report(out: dict[str, Any]) -> str:
             judged = row["c"] == 16 and row["mode"] != "off"
             goal = f"≥ {THROUGHPUT_TARGET:g} req/s" if judged else "-"
             verdict = ("PASS" if row["req_s"] >= THROUGHPUT_TARGET else "FAIL") if judged else "-"
-            cpu = row.get("cpu_per_request", float("nan"))
+            cpu, db = row.get("cpu_per_request", float("nan")), row.get("db_cpu_per_request", 0.0)
+            shown = (
+                f"{cpu:.1f} + PG {db:.1f} ms"
+                if out.get("backend") == "postgres"
+                else f"{cpu:.1f} ms"
+            )
             lines.append(
                 f"| {row['mode']} | {row['c']} | {row['req_s']:.0f} | {row['p50']:.1f} ms | "
-                f"{row['p95']:.1f} ms | {row['errors']} | {cpu:.1f} ms | {cpu / ecpu:.2f}x | "
+                f"{row['p95']:.1f} ms | {row['errors']} | {shown} | {(cpu + db) / ecpu:.2f}x | "
                 f"{goal} | {verdict} | {row['load']} |"
             )
     return "\n".join(lines)
@@ -307,6 +384,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "turns": args.turns,
         "seconds": args.seconds,
         "warmup_seconds": args.warmup_seconds,
+        "backend": args.backend,
         "latency": [],
         "throughput": [],
     }
@@ -315,35 +393,56 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["embedding"] = await query_embedding(texts)
         out["embedding"]["load"] = f"{start} -> {load()}"
         print(f"query embedding alone: {out['embedding']['p50']:.1f} ms p50", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="engram-load-") as tmp:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(pg_server()) if args.backend == "postgres" else None
+        if server is not None:
+            out["copy"] = await postgres_source(server, source, args.turns, args.cache_dir, convs)
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engram-load-")))
         db = Path(tmp) / "load.db"
-        shutil.copyfile(source, db)
-        log_path = Path(tmp) / "serve.log"
-        pids: list[int] = []
-        try:
-            async with (
-                serving(db, log_path, pids=pids) as url,
-                aiohttp.ClientSession(
-                    timeout=aiohttp.ClientTimeout(total=120),
-                    connector=aiohttp.TCPConnector(limit=0),
-                ) as http,
-            ):
-                warm_until = time.perf_counter() + args.warmup_seconds
-                while time.perf_counter() < warm_until:  # the server's caches load meanwhile
-                    await chat(http, url, "read-only", qs.next())
-                for mode in args.latency_modes:
-                    row = await paired(http, url, qs, mode, args.pairs, pids[0])
-                    out["latency"].append(row)
-                    print(f"c=1 {mode}: {row['added_p50']:+.1f} ms p50", file=sys.stderr)
-                for c in args.concurrency:
-                    for mode in args.throughput_modes:
-                        row = await closed_loop(http, url, qs, mode, c, args.seconds, pids[0])
-                        out["throughput"].append(row)
-                        print(f"c={c} {mode}: {row['req_s']:.0f} req/s", file=sys.stderr)
-        except Exception:
-            sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
-            raise
+        target: str | Path = db
+        if server is None:
+            shutil.copyfile(source, db)
+        else:
+            target = create_database(server, "load", template="source")
+        await measure(args, out, qs, db, serve_env(target), lambda: pg_cpu_seconds(server))
     return out
+
+
+async def measure(
+    args: argparse.Namespace,
+    out: dict[str, Any],
+    qs: Questions,
+    db: Path,
+    env: dict[str, str],
+    db_cpu: Callable[[], float],
+) -> None:
+    """Serve ``db`` (or what ``env`` points at) and take the latency pairs and the closed
+    loops into ``out``."""
+    log_path = db.parent / "serve.log"
+    pids: list[int] = []
+    try:
+        async with (
+            serving(db, log_path, extra_env=env, pids=pids) as url,
+            aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=120),
+                connector=aiohttp.TCPConnector(limit=0),
+            ) as http,
+        ):
+            warm_until = time.perf_counter() + args.warmup_seconds
+            while time.perf_counter() < warm_until:  # the server's caches load meanwhile
+                await chat(http, url, "read-only", qs.next())
+            for mode in args.latency_modes:
+                row = await paired(http, url, qs, mode, args.pairs, pids[0], db_cpu)
+                out["latency"].append(row)
+                print(f"c=1 {mode}: {row['added_p50']:+.1f} ms p50", file=sys.stderr)
+            for c in args.concurrency:
+                for mode in args.throughput_modes:
+                    row = await closed_loop(http, url, qs, mode, c, args.seconds, pids[0], db_cpu)
+                    out["throughput"].append(row)
+                    print(f"c={c} {mode}: {row['req_s']:.0f} req/s", file=sys.stderr)
+    except Exception:
+        sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+        raise
 
 
 def main() -> int:
@@ -369,6 +468,9 @@ def main() -> int:
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="vectors and DBs")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default="sqlite", help="the memory store's backend"
+    )
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.latency_modes = [m for m in args.latency_modes.split(",") if m]
