@@ -12,10 +12,10 @@ import asyncio
 import importlib
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from proxy.cli.checks import Check
 from proxy.config import Settings
 from proxy.masking import display_url
 from proxy.paths import default_db_path, store_target
@@ -28,17 +28,6 @@ from proxy.store.db import database_info
 from proxy.store.store import Store
 from proxy.store.vectable import vector_state
 from proxy.upstream import LLAMACPP_DEFAULT, OLLAMA_DEFAULT, Upstream, detect
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool | None  # None: not applicable, skipped
-    detail: str
-
-    def line(self) -> str:
-        status = {True: "ok", False: "FAIL", None: "skip"}[self.ok]
-        return f"{status:<5}{self.name:<12}{self.detail}"
 
 
 def sqlite_checks() -> list[Check]:
@@ -212,7 +201,7 @@ async def store_checks(settings: Settings, model: tuple[str, int] | None) -> lis
             await database_check(settings),
             await vectors_check(settings, model),
         ]
-    from proxy.cli.doctor_pg import postgres_state  # it imports Check from here
+    from proxy.cli.doctor_pg import postgres_state  # imported late: it loads psycopg
 
     state = await asyncio.to_thread(postgres_state, str(target))
     if not state.schema_current:

@@ -14,16 +14,13 @@ The URL is shown as :func:`proxy.store.backend.display` shows it: no user, no pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from proxy.cli.doctor import Check
+from proxy.cli.checks import Check
 from proxy.redact import redact
 from proxy.store.backend import display
-from proxy.store.pg.connection import normalise_url, redact_error
-from proxy.store.pg.migrate import applied_versions, latest_version
-
-CONNECT_TIMEOUT_S = 3
-STATEMENT_TIMEOUT = "5s"
+from proxy.store.pg.connection import redact_error
+from proxy.store.pg.migrate import latest_version
+from proxy.store.pg.probe import ServerFacts, facts_reached, server_facts
 
 
 @dataclass(frozen=True)
@@ -35,31 +32,10 @@ class PgState:
     schema_current: bool
 
 
-def _connect(url: str) -> Any:
-    import psycopg
-
-    raw = psycopg.connect(
-        normalise_url(url),
-        autocommit=True,
-        connect_timeout=CONNECT_TIMEOUT_S,
-        application_name="engram doctor",
-    )
-    raw.execute(f"SET statement_timeout = '{STATEMENT_TIMEOUT}'")
-    return raw
-
-
-def _one(raw: Any, sql: str) -> Any:
-    row = raw.execute(sql).fetchone()
-    return None if row is None else row[0]
-
-
-def _vector_check(raw: Any, has_schema: bool) -> Check:
-    installed = _one(raw, "SELECT extversion FROM pg_extension WHERE extname = 'vector'")
-    if installed is not None:
-        return Check("pgvector", True, f"vector {installed} installed")
-    available = _one(
-        raw, "SELECT default_version FROM pg_available_extensions WHERE name = 'vector'"
-    )
+def _vector_check(facts: ServerFacts, has_schema: bool) -> Check:
+    if facts.vector_installed is not None:
+        return Check("pgvector", True, f"vector {facts.vector_installed} installed")
+    available = facts.vector_available
     if available is None:
         return Check(
             "pgvector",
@@ -67,8 +43,7 @@ def _vector_check(raw: Any, has_schema: bool) -> Check:
             "the vector extension is not installed in this database and not available on the "
             "server: install pgvector (https://github.com/pgvector/pgvector) on it",
         )
-    superuser = bool(_one(raw, "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"))
-    if superuser and not has_schema:
+    if facts.superuser and not has_schema:
         return Check(
             "pgvector", True, f"vector {available} available, created by Engram's first start"
         )
@@ -106,9 +81,12 @@ def postgres_state(url: str) -> PgState:
     the event loop)."""
     shown = display(url)
     try:
-        raw = _connect(url)
+        facts = server_facts(url)
     except Exception as exc:
         why = redact(redact_error(exc))
+        reached = facts_reached(exc)
+        if reached:
+            return PgState([Check("postgres", False, f"{shown}: {why}")], False)
         return PgState(
             [
                 Check("postgres", False, f"{shown}: no answer: {why}"),
@@ -117,19 +95,12 @@ def postgres_state(url: str) -> PgState:
             ],
             False,
         )
-    try:
-        version = _one(raw, "SHOW server_version")
-        versions = applied_versions(raw)
-        schema = _schema_check(versions)
-        findings = [
-            Check("postgres", True, f"{shown}: PostgreSQL {version}"),
-            _vector_check(raw, bool(versions)),
-            schema,
-        ]
-    except Exception as exc:
-        why = redact(redact_error(exc))
-        return PgState([Check("postgres", False, f"{shown}: {why}")], False)
-    finally:
-        raw.close()
+    versions = facts.schema_versions
+    schema = _schema_check(versions)
+    findings = [
+        Check("postgres", True, f"{shown}: PostgreSQL {facts.version}"),
+        _vector_check(facts, bool(versions)),
+        schema,
+    ]
     current = bool(versions) and schema.ok is True and all(c.ok is not False for c in findings)
     return PgState(findings, current)

@@ -120,13 +120,15 @@ class Gate:
                 text,
             )
 
-    def succeeded(self) -> None:
-        """A job ran on a live connection."""
+    def succeeded(self, epoch: int | None = None) -> None:
+        """A job ran on a live connection, opened in ``epoch``: one opened before the gate
+        last went down (a job under way then, that ended well just after) says nothing of the
+        server now, so it does not bring the gate up."""
         if self.up:
             return
         with self._lock:
             since = self._down_since
-            if since is None:
+            if since is None or (epoch is not None and epoch < self.epoch):
                 return
             down_for = self._clock() - since
             self._down_since = None

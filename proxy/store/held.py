@@ -79,7 +79,7 @@ class Connections:
                 return self.run(fn, readonly=readonly)
             self.gate.failed(exc)
             raise StoreUnavailable(f"{self.gate.name} went away: {exc}") from exc
-        self.gate.succeeded()
+        self.gate.succeeded(getattr(self._local, "epoch", None))
         return result
 
     def _get(self, readonly: bool) -> tuple[Connection, bool]:

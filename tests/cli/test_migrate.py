@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import psycopg
 
-from proxy.cli import migrate
 from proxy.search.fts_query import to_match
 from proxy.store import backend, counters, feedback, items, keys, queries
+from proxy.store import transfer as migrate
 from proxy.store.models import NewTurn
 from proxy.store.store import Store
 from proxy.vectors import Vector, as_vector

@@ -105,3 +105,15 @@ def test_going_down_again_starts_from_the_first_delay_and_a_new_epoch() -> None:
     assert g.epoch == first + 1 and g.state().outages == 2
     clock.now += 0.5
     assert not refused(g)
+
+
+def test_a_job_on_a_connection_from_before_the_outage_does_not_bring_it_up() -> None:
+    g, clock = gate()
+    before = g.epoch
+    g.failed("server closed the connection unexpectedly")
+    g.succeeded(before)  # a job that was under way when it went down, ended well
+    assert not g.state().up
+    clock.now += 0.5
+    g.check()
+    g.succeeded(g.epoch)  # the probe, on a connection opened since
+    assert g.state().up and g.state().outages == 1
