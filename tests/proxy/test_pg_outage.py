@@ -143,7 +143,8 @@ async def test_postgres_stopped_under_load_fails_no_request_and_memory_comes_bac
     assert "engram_store_outages_total 1" in store_lines, store_lines
     log = b"".join(output).decode(errors="replace")
     warnings = [line for line in log.splitlines() if "is unavailable" in line]
-    assert len(warnings) == 1, "\n".join(warnings)  # one warning for the outage, not one per request
+    # one warning for the outage, not one per request
+    assert len(warnings) == 1, "\n".join(warnings)
     assert " warning " in warnings[0] and "127.0.0.1" in warnings[0]
     back = [line for line in log.splitlines() if "answers again" in line]
     assert len(back) == 1, back
