@@ -87,10 +87,12 @@ async def test_claude_code_recalls_a_fact_from_another_run_on_a_real_model(
     given = json.dumps(last.forwarded)
     block = given[given.find("<engram-memory") : given.find("</engram-memory")]
     assert "Zorblax" in block, block
-    # What the user said, without the reminder Claude Code put before it (the model's own
-    # reply may say anything).
+    # What the user said, without the reminder Claude Code put before it. The model's own reply
+    # may say anything: the tiny model once parroted the reminder from its prompt (seen in CI),
+    # and an assistant's words are archived as said, so only the user's notes are checked.
     assert 'user: \\"My cat is called Zorblax. Remember that.\\"' in block, block
-    assert "<system-reminder" not in block.replace("\\u003c", "<"), block
+    users = [line for line in block.split("\\n") if "] user: " in line]
+    assert users and not any("system-reminder" in line for line in users), block
 
 
 async def test_codex_recalls_a_fact_from_another_run_on_a_real_model(
