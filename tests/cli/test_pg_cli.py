@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,7 +68,7 @@ async def test_doctor_passes_on_a_migrated_database(
     code, out = await doctor(fake, capsys)
     assert code == 0, out
     assert "ok postgres postgresql://127.0.0.1:" in out and "PostgreSQL 18" in out
-    assert "ok pgvector vector 0.8" in out
+    assert re.search(r"ok pgvector vector 0\.8\.\d+ installed, distances compute", out), out
     assert "ok schema version 16 (this Engram's)" in out
     assert "ok database postgresql://127.0.0.1:" in out and "1 sessions, 1 turns" in out
     assert "ok vectors" in out and "FAIL" not in out and "sqlite-vec" not in out
@@ -79,7 +80,9 @@ async def test_doctor_on_a_new_database_of_a_superuser_passes(
 ) -> None:
     code, out = await doctor(fake, capsys)
     assert code == 0, out
-    assert "ok pgvector vector 0.8.2 available, created by Engram's first start" in out
+    assert re.search(
+        r"ok pgvector vector 0\.8\.\d+ available, created by Engram's first start", out
+    )
     assert "ok schema none yet: Engram's first start creates version 16" in out
     assert "skip database no schema yet" in out
     with psycopg.connect(url.replace(f":{PASSWORD}", "")) as conn:  # doctor created nothing
@@ -101,10 +104,11 @@ async def test_doctor_fails_without_the_extension(
     monkeypatch.setenv("ENGRAM_MEMORY_POSTGRES_URL", url.replace("postgres:", "plain:", 1))
     code, out = await doctor(fake, capsys)
     assert code == 1, out
-    assert (
-        "FAIL pgvector the vector extension is not installed in this database (the server has "
-        "0.8.2): a superuser runs CREATE EXTENSION vector in it"
-    ) in out
+    assert re.search(
+        r"FAIL pgvector the vector extension is not installed in this database \(the server has "
+        r"0\.8\.\d+\): a superuser runs CREATE EXTENSION vector in it",
+        out,
+    ), out
 
 
 @pytest.mark.asyncio

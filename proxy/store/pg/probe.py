@@ -1,12 +1,14 @@
 """What ``engram doctor`` asks a PostgreSQL (:mod:`proxy.cli.doctor_pg` judges it): the server's
-version, the ``vector`` extension installed in the database or available on the server, whether
-the role is a superuser, and the schema versions applied. Opened with a short connect timeout
-and statement timeout, in autocommit, never migrating or creating anything.
+version, the ``vector`` extension installed in the database or available on the server (and,
+installed, whether its distances compute: a pgvector compiled for another CPU kills the backend
+with SIGILL on the first one), whether the role is a superuser, and the schema versions
+applied. Opened with a short connect timeout and statement timeout, in autocommit, never
+migrating or creating anything.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.store.pg.connection import normalise_url
@@ -14,6 +16,14 @@ from proxy.store.pg.migrate import applied_versions
 
 CONNECT_TIMEOUT_S = 3
 STATEMENT_TIMEOUT = "5s"
+# Every distance the store uses, on vectors long enough for pgvector's SIMD loops (384-d, as the
+# default embedder's); the tests' PostgreSQL (testing.postgres) proves its build with it too.
+VECTOR_PROBE = """
+SELECT v <=> w, v <-> w, v <#> w, v::halfvec <=> w::halfvec, l2_normalize(v),
+       binary_quantize(v) <~> binary_quantize(w)
+FROM (SELECT array_fill(0.25::real, ARRAY[384])::vector AS v,
+             array_fill(0.5::real, ARRAY[384])::vector AS w) AS pair
+"""
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,10 @@ class ServerFacts:
     vector_available: str | None  # the version the server could install
     superuser: bool
     schema_versions: list[int]
+    # installed but a distance failed: why, and whether that broke the connection (the backend
+    # died, as a pgvector built for a CPU feature this one lacks does)
+    vector_error: str | None = None
+    vector_crashed: bool = False
 
 
 class QueryFailed(RuntimeError):
@@ -57,7 +71,7 @@ def server_facts(url: str) -> ServerFacts:
     fails raises the driver's error; a question that fails, :class:`QueryFailed`."""
     raw = _connect(url)
     try:
-        return ServerFacts(
+        facts = ServerFacts(
             version=str(_one(raw, "SHOW server_version")),
             vector_installed=_one(
                 raw, "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
@@ -69,6 +83,17 @@ def server_facts(url: str) -> ServerFacts:
             schema_versions=applied_versions(raw),
         )
     except Exception as exc:
-        raise QueryFailed(str(exc).strip().splitlines()[0] if str(exc).strip() else "") from exc
+        raise QueryFailed(_first_line(exc)) from exc
+    try:
+        if facts.vector_installed is not None:
+            raw.execute(VECTOR_PROBE).fetchall()
+        return facts
+    except Exception as exc:
+        return replace(facts, vector_error=_first_line(exc), vector_crashed=bool(raw.broken))
     finally:
         raw.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    said = str(exc).strip()
+    return said.splitlines()[0] if said else type(exc).__name__
