@@ -155,10 +155,7 @@ class Retriever:
             return ranked
 
         if deadline is None:
-            # both run to their end: when one fails, the other's failure is retrieved too (an
-            # outage fails both paths; one is raised, neither is logged as never retrieved)
-            got = await asyncio.gather(fts(), vec(), return_exceptions=True)
-            fts_rows, vec_rows = (_result(r) for r in got)
+            fts_rows, vec_rows = await asyncio.gather(fts(), vec())
         else:
             fts_rows, vec_rows = await _by_deadline(fts(), vec(), deadline, degraded)
         rankings: dict[str, list[int]] = {}
@@ -303,13 +300,6 @@ def uncommon(words: list[str], shares: dict[str, float], share: float) -> list[s
     return kept or [min(words, key=lambda w: shares.get(w, 0.0))]
 
 
-def _result(got: list[tuple[int, float]] | BaseException) -> list[tuple[int, float]]:
-    """One path's candidates from ``gather(..., return_exceptions=True)``, its failure raised."""
-    if isinstance(got, BaseException):
-        raise got
-    return got
-
-
 async def _by_deadline(
     fts: Coroutine[Any, Any, list[tuple[int, float]]],
     vec: Coroutine[Any, Any, list[tuple[int, float]]],
@@ -328,7 +318,9 @@ async def _by_deadline(
             task.cancel()
         if late:  # let them unwind (a cancelled read still ends on its thread)
             await asyncio.wait(late)
-        for task in (fts_task, vec_task):  # both failures retrieved; the first is raised
+        # an outage fails both paths: each failure is retrieved (full text's is raised first),
+        # none left to asyncio's "Task exception was never retrieved" (gather does the same)
+        for task in (fts_task, vec_task):
             if task.done() and not task.cancelled():
                 task.exception()
     if fts_task.cancelled():

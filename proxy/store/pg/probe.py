@@ -16,11 +16,11 @@ from proxy.store.pg.migrate import applied_versions
 
 CONNECT_TIMEOUT_S = 3
 STATEMENT_TIMEOUT = "5s"
-# Every distance the store uses, on vectors long enough for pgvector's SIMD loops (384-d, as the
-# default embedder's); the tests' PostgreSQL (testing.postgres) proves its build with it too.
+# The distance the store's search uses (cosine, ``<=>`` on ``vector``), on vectors long enough
+# for pgvector's SIMD loops (384-d, as the default embedder's); the tests' PostgreSQL
+# (testing.postgres) proves its build with it too.
 VECTOR_PROBE = """
-SELECT v <=> w, v <-> w, v <#> w, v::halfvec <=> w::halfvec, l2_normalize(v),
-       binary_quantize(v) <~> binary_quantize(w)
+SELECT v <=> w
 FROM (SELECT array_fill(0.25::real, ARRAY[384])::vector AS v,
              array_fill(0.5::real, ARRAY[384])::vector AS w) AS pair
 """
@@ -71,7 +71,22 @@ def server_facts(url: str) -> ServerFacts:
     fails raises the driver's error; a question that fails, :class:`QueryFailed`."""
     raw = _connect(url)
     try:
-        facts = ServerFacts(
+        facts = _facts(raw)
+        if facts.vector_installed is None:
+            return facts
+        try:
+            raw.execute(VECTOR_PROBE).fetchall()
+        except Exception as exc:
+            return replace(facts, vector_error=_first_line(exc), vector_crashed=bool(raw.broken))
+        return facts
+    finally:
+        raw.close()
+
+
+def _facts(raw: Any) -> ServerFacts:
+    """Everything but the distance probe; :class:`QueryFailed` if a question fails."""
+    try:
+        return ServerFacts(
             version=str(_one(raw, "SHOW server_version")),
             vector_installed=_one(
                 raw, "SELECT extversion FROM pg_extension WHERE extname = 'vector'"
@@ -84,14 +99,6 @@ def server_facts(url: str) -> ServerFacts:
         )
     except Exception as exc:
         raise QueryFailed(_first_line(exc)) from exc
-    try:
-        if facts.vector_installed is not None:
-            raw.execute(VECTOR_PROBE).fetchall()
-        return facts
-    except Exception as exc:
-        return replace(facts, vector_error=_first_line(exc), vector_crashed=bool(raw.broken))
-    finally:
-        raw.close()
 
 
 def _first_line(exc: BaseException) -> str:
