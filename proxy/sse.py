@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.costs import PromptCost, chat_cost
+
 
 @dataclass(slots=True)
 class SSEEvent:
@@ -82,6 +84,8 @@ class AssembledReply:
     id: str | None = None
     error: Any = None
     complete: bool = False
+    # What the model server said it computed and reused of the prompt (proxy.costs).
+    cost: PromptCost | None = None
 
     def message(self) -> dict[str, Any]:
         """The reply as an OpenAI assistant message."""
@@ -99,6 +103,7 @@ class ChatAssembler:
         self._reasoning: list[str] = []
         self._tools: dict[int, dict[str, Any]] = {}
         self._reply = AssembledReply()
+        self._timings: Any = None  # llama-server's, in the last chunk
         self.done = False
 
     def add_event(self, event: SSEEvent) -> None:
@@ -124,6 +129,8 @@ class ChatAssembler:
             reply.id = chunk["id"]
         if isinstance(chunk.get("usage"), dict):
             reply.usage = chunk["usage"]
+        if isinstance(chunk.get("timings"), dict):
+            self._timings = chunk["timings"]
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             return
@@ -169,6 +176,7 @@ class ChatAssembler:
         reply.reasoning_content = "".join(self._reasoning) if self._reasoning else None
         reply.tool_calls = [self._tools[i] for i in sorted(self._tools)]
         finished = self.done or reply.finish_reason is not None
+        reply.cost = chat_cost(reply.usage, self._timings)
         reply.complete = ended_cleanly and finished and reply.error is None
         return reply
 
@@ -184,6 +192,7 @@ def reply_from_completion(obj: Any) -> AssembledReply:
     reply.model = obj.get("model") if isinstance(obj.get("model"), str) else None
     reply.id = obj.get("id") if isinstance(obj.get("id"), str) else None
     reply.usage = obj.get("usage") if isinstance(obj.get("usage"), dict) else None
+    reply.cost = chat_cost(reply.usage, obj.get("timings"))
     choices = obj.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = choices[0]

@@ -13,7 +13,9 @@ each route answers deterministically (chat replies echo the last user message). 
 closes the connection unanswered; ``FakeUpstream(close_after_stream=0.05)`` closes every
 connection that shortly after a streamed reply, reading nothing more on it, as llama-server does;
 ``FakeUpstream(cors=True)`` answers CORS as llama-server does (preflights on any path, and the
-request's Origin allowed on every answer).
+request's Origin allowed on every answer); ``FakeUpstream(kv_cache=True)`` reports on chat
+completions what it computed and reused of each prompt, as llama-server does (``timings``,
+``usage.prompt_tokens_details``; :mod:`testing.fake_cache`).
 
 Standalone, for benchmarks: ``python -m testing.fake_upstream --port 8081 [--flavor ollama]``.
 """
@@ -36,6 +38,7 @@ from multidict import CIMultiDict
 
 from testing import fake_ollama
 from testing.fake_anthropic import messages_routes
+from testing.fake_cache import KVCache, on_last_chunk, rendered, timings, with_report
 from testing.fake_chunks import (
     chat_chunks,
     chat_completion,
@@ -150,6 +153,7 @@ class FakeUpstream:
         record: bool = True,
         close_after_stream: float | None = None,
         cors: bool = False,
+        kv_cache: bool = False,
     ) -> None:
         if flavor not in ("llamacpp", "ollama"):
             raise ValueError(f"unknown flavor {flavor!r}")
@@ -174,6 +178,8 @@ class FakeUpstream:
         # Like llama-server: every answer grants CORS to the request's Origin, and a CORS
         # preflight on any path is a 200 that allows everything (off: OPTIONS is a 404).
         self.cors = cors
+        # Like llama-server: chat completions report the prompt tokens computed and reused.
+        self.kv_cache = KVCache() if kv_cache else None
         self.requests: list[RecordedRequest] = []
         self.disconnects: list[tuple[str, float]] = []
         self.url = ""
@@ -377,12 +383,18 @@ class FakeUpstream:
         text = self.reply_text(last_user_text(messages))
         model = str(payload.get("model") or self.model)
         usage = make_usage(self.prompt_tokens(prompt_tokens, payload), rough_tokens(text))
+        report: dict[str, Any] = {}
+        if self.kv_cache is not None:
+            tools = payload.get("tools") if self.renders_tools else None
+            computed, reused = self.kv_cache.use(rendered(messages, tools), usage["prompt_tokens"])
+            usage = with_report(usage, reused)
+            report["timings"] = timings(computed, reused, usage["completion_tokens"])
         if payload.get("stream"):
             opts = payload.get("stream_options") or {}
             with_usage = usage if isinstance(opts, dict) and opts.get("include_usage") else None
-            events = chat_chunks(words(text), model=model, usage=with_usage)
+            events = on_last_chunk(chat_chunks(words(text), model=model, usage=with_usage), report)
             return await self._stream(request, StreamReply(events))
-        return web.json_response(chat_completion(text, usage=usage, model=model))
+        return web.json_response({**chat_completion(text, usage=usage, model=model), **report})
 
     async def _embeddings(self, request: web.Request, body: bytes) -> web.StreamResponse:
         payload = self._parse(body)

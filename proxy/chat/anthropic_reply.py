@@ -20,6 +20,7 @@ from typing import Any
 
 from proxy.chat.anthropic_neutral import arguments
 from proxy.chat.wire import EventStreamReader, WholeBodyReader
+from proxy.costs import from_anthropic_usage
 from proxy.sse import AssembledReply, SSEEvent
 
 STOP_REASONS = {
@@ -101,6 +102,7 @@ class MessageAssembler:
         reply = self.reply
         _fill(reply, [self.blocks[i] for i in sorted(self.blocks)], self.stop_reason)
         reply.usage = chat_usage(self.usage) if self.usage else None
+        reply.cost = from_anthropic_usage(self.usage)
         reply.complete = ended_cleanly and self.done and reply.error is None
         return reply
 
@@ -167,6 +169,7 @@ def reply_from_message(obj: Any) -> AssembledReply:
     reply.id = obj.get("id") if isinstance(obj.get("id"), str) else None
     reply.model = obj.get("model") if isinstance(obj.get("model"), str) else None
     reply.usage = chat_usage(obj.get("usage"))
+    reply.cost = from_anthropic_usage(obj.get("usage"))
     content = obj.get("content")
     blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
     stop = obj.get("stop_reason")

@@ -39,6 +39,7 @@ from proxy.chat.ollama_wire import (
     usage_of,
 )
 from proxy.chat.wire import json_object, json_type
+from proxy.costs import from_ollama
 from proxy.errors import BadRequest
 from proxy.messages import without_lone_surrogates
 from proxy.relay import encode_json
@@ -277,6 +278,7 @@ class OllamaReader:
             reason = obj.get("done_reason")
             reply.finish_reason = reason if isinstance(reason, str) else "stop"
             reply.usage = usage_of(obj)
+            reply.cost = from_ollama(obj)
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from proxy.chat.api import ChatAPI, ContinuesReplies, ReplyTranslator
 from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
 from proxy.chat.openai_chat import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
+from proxy.chat.wire import CostTap
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError, UpstreamRejected
 from proxy.logs import event
@@ -157,6 +158,7 @@ class ChatPipeline:
                 return response
             # The upstream rejected the tool: the request goes as the plain rewrite.
         translate: ReplyTranslator | None = None
+        tap: CostTap | None = None  # the upstream's own report, beneath a translation
         up: aiohttp.ClientResponse | None = None
         if self.api.name not in self.upstream.missing_apis:
             up = await self.upstream.send(
@@ -168,7 +170,8 @@ class ChatPipeline:
                     return answer
                 up = None
         if up is None:  # the upstream lacks this API: chat completions, translated both ways
-            up, translate = await self._translated(request, turn)
+            up, translated = await self._translated(request, turn)
+            translate = tap = CostTap(translated, is_event_stream(up))
         turn.status = up.status
         # The reply is read as the client gets it (translated or not), in this API's shape.
         sse = translate.content_type == SSE if translate is not None else is_event_stream(up)
@@ -201,6 +204,8 @@ class ChatPipeline:
             raise
         finally:
             turn.reply = reader.finish(ended_cleanly=ended_cleanly)
+            if tap is not None:  # not the translation's made-up figures: the upstream's own
+                turn.reply.cost = tap.cost
             self._after_reply(turn)
 
     async def _maybe_missing(
@@ -398,5 +403,17 @@ class ChatPipeline:
         counts["client_disconnects"] += turn.client_gone
         counts["upstream_failures"] += turn.upstream_failed
         counts["memories_injected"] += len(turn.memory.injected) if turn.memory else 0
+        self._note_cost(turn)
         for hook in self.reply_hooks:
             self.tasks.spawn(hook(turn), name=f"reply-hook:{turn.request_id}")
+
+    def _note_cost(self, turn: ChatTurn) -> None:
+        """What the model server said it computed and reused of the prompt: for the inspector
+        and /engram/metrics (only where it said both)."""
+        cost = turn.reply.cost if turn.reply is not None and turn.status == 200 else None
+        if cost is not None and cost.computed is not None and cost.reused is not None:
+            self.counts["upstream_prompt_reports"] += 1
+            self.counts["upstream_prompt_tokens_computed"] += cost.computed
+            self.counts["upstream_prompt_tokens_reused"] += cost.reused
+        if self.memory is not None:
+            self.memory.recent.reported(turn.request_id, cost)

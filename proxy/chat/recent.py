@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from proxy.chat.prompt import Assembly
 from proxy.chat.turn import MemoryTurn, Why
+from proxy.costs import PromptCost
 
 MESSAGE_BYTES = 300  # what a message dict holds besides its text
 LATENCIES = 1000
@@ -48,6 +49,7 @@ class RequestView:
     summary: str | None  # the rolling summary the prompt carried
     status: int | None = None
     expansions: int = 0
+    cost: PromptCost | None = None  # what the model server said it computed and reused
 
 
 def view_size(view: RequestView) -> int:
@@ -67,6 +69,8 @@ class RecentRequests:
         self._views: OrderedDict[str, tuple[RequestView, int]] = OrderedDict()
         self.latencies: deque[tuple[float, float]] = deque(maxlen=LATENCIES)  # (at, ms)
         self.saved: deque[tuple[float, int, int]] = deque(maxlen=LATENCIES)  # (at, sent, fwd)
+        # (at, computed, reused) of the recent requests whose model server reported both
+        self.costs: deque[tuple[float, int, int]] = deque(maxlen=LATENCIES)
 
     def add(self, request_id: str, mt: MemoryTurn) -> None:
         now = time.time()
@@ -119,6 +123,20 @@ class RecentRequests:
         view = self.get(request_id)
         if view is not None:
             view.status, view.expansions = status, expansions
+
+    def reported(self, request_id: str, cost: PromptCost | None) -> None:
+        """What the model server said it computed and reused of the request's prompt."""
+        view = self.get(request_id)
+        if view is not None:
+            view.cost = cost
+        if cost is not None and cost.computed is not None and cost.reused is not None:
+            self.costs.append((time.time(), cost.computed, cost.reused))
+
+    def reuse(self) -> tuple[int, int, int]:
+        """Over the recent requests whose model server reported both: how many there are, and
+        the prompt tokens it computed and reused for them."""
+        costs = list(self.costs)
+        return len(costs), sum(c for _, c, _ in costs), sum(r for _, _, r in costs)
 
     def of_user(self, user: str, limit: int, offset: int = 0) -> tuple[list[RequestView], int]:
         """A page of the user's recent requests, the newest first, and how many there are."""

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from proxy.chat.wire import WholeBodyReader
+from proxy.costs import from_responses_usage, from_timings, pick
 from proxy.sse import AssembledReply, SSEParser
 
 TERMINAL = ("response.completed", "response.incomplete", "response.failed")
@@ -90,6 +91,9 @@ def _head(reply: AssembledReply, response: Mapping[str, Any]) -> None:
     usage = chat_usage(response.get("usage"))
     if usage is not None:
         reply.usage = usage
+    cost = from_responses_usage(response.get("usage"))
+    if cost is not None:
+        reply.cost = cost
     if response.get("error"):
         reply.error = response["error"]
 
@@ -103,6 +107,7 @@ def reply_from_response(obj: Any) -> AssembledReply:
         reply.error = obj["error"]
         return reply
     _head(reply, obj)
+    reply.cost = pick(reply.cost, from_timings(obj.get("timings")))
     status = obj.get("status") if isinstance(obj.get("status"), str) else None
     reply_from_output(obj.get("output"), status, reply)
     reply.complete = status in ("completed", "incomplete") and reply.error is None
@@ -119,6 +124,7 @@ class StreamReader:
         self.by_index: dict[int, str] = {}  # output index -> item key
         self.status: str | None = None
         self.final: list[Any] | None = None  # the terminal event's output, when it has one
+        self.timings: Any = None  # llama-server's, beside the terminal event's response
         self.done = False
 
     def feed(self, chunk: bytes) -> bool:
@@ -132,6 +138,7 @@ class StreamReader:
             self._event(event.data)
         output = self.final if self.final else list(self.items.values())
         reply = reply_from_output(output, self.status, self.reply)
+        reply.cost = pick(reply.cost, from_timings(self.timings))
         reply.complete = (
             ended_cleanly and self.status in ("completed", "incomplete") and reply.error is None
         )
@@ -151,6 +158,8 @@ class StreamReader:
             }
             return
         response = obj.get("response")
+        if isinstance(obj.get("timings"), dict):
+            self.timings = obj["timings"]
         if isinstance(response, Mapping):
             _head(self.reply, response)
             if kind in TERMINAL:

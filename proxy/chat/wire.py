@@ -1,6 +1,7 @@
 """What the chat API adapters share (pure): a request body read as a JSON object with precise 400s,
-JSON types named in error messages, and the readers of a reply as an event stream or a whole
-body, around each API's own assembler or parser of a reply."""
+JSON types named in error messages, the readers of a reply as an event stream or a whole
+body, around each API's own assembler or parser of a reply, and the reader of the upstream's
+own report of its prompt's cost beneath a translation (:class:`CostTap`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from proxy import json_input
+from proxy.chat.api import ReplyTranslator
+from proxy.costs import PromptCost, chat_cost
 from proxy.errors import BadRequest
 from proxy.sse import AssembledReply, SSEEvent, SSEParser
+
+REPORTS = (b'"usage"', b'"timings"')  # what a chat reply reports its prompt's cost in
 
 _TYPE_NAMES: dict[type, str] = {
     bool: "a boolean",
@@ -101,3 +106,56 @@ class WholeBodyReader:
         reply = self.to_reply(obj)
         reply.complete = reply.complete and ended_cleanly
         return reply
+
+
+class CostTap:
+    """A :class:`~proxy.chat.api.ReplyTranslator` around another, reading on the way what the
+    upstream reported of its prompt in its own chat-completions reply, before translation (the
+    translated reply has no room for llama-server's ``timings``): :attr:`cost`. Only the events
+    (or the body) that name ``usage`` or ``timings`` are parsed."""
+
+    def __init__(self, inner: ReplyTranslator, event_stream: bool) -> None:
+        self.inner = inner
+        self.content_type = inner.content_type
+        self.parser = SSEParser() if event_stream else None
+        self.chunks: list[bytes] = []
+        self.usage: Any = None
+        self.timings: Any = None
+
+    @property
+    def cost(self) -> PromptCost | None:
+        return chat_cost(self.usage, self.timings)
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.parser is not None:
+            for event in self.parser.feed(chunk):
+                self._read(event.data)
+        else:
+            self.chunks.append(chunk)
+        return self.inner.feed(chunk)
+
+    def finish(self) -> bytes:
+        if self.parser is not None:
+            for event in self.parser.close():
+                self._read(event.data)
+        else:
+            self._read(b"".join(self.chunks))
+            self.chunks = []
+        return self.inner.finish()
+
+    def _read(self, data: str | bytes) -> None:
+        if isinstance(data, str):
+            named = '"usage"' in data or '"timings"' in data
+        else:
+            named = any(key in data for key in REPORTS)
+        if not named:
+            return
+        try:
+            obj = json_input.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(obj, dict):
+            if isinstance(obj.get("usage"), dict):
+                self.usage = obj["usage"]
+            if isinstance(obj.get("timings"), dict):
+                self.timings = obj["timings"]

@@ -13,6 +13,7 @@ from proxy.api.views import clean_query, parse_k, parse_mode
 from proxy.chat.prompt import summary_text
 from proxy.chat.recall import places_near
 from proxy.chat.recent import ZONES, RequestView, zones
+from proxy.costs import describe
 from proxy.errors import NotFound, ServiceUnavailable
 from proxy.inspector import charts
 from proxy.inspector.pages import PAGE, page_number
@@ -164,4 +165,5 @@ async def one_request(request: web.Request, v: Visit) -> web.StreamResponse:
         ttl=settings.slots.ttl_seconds,
         messages=messages,
         feedback=parts.memory.feedback is not None,
+        cost=describe(view.cost) if view.status is not None else "the reply is not over yet",
     )

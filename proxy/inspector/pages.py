@@ -113,6 +113,7 @@ async def overview(request: web.Request, v: Visit) -> web.StreamResponse:
     p50, p95 = recent.percentiles()
     latencies = [ms for _, ms in list(recent.latencies)[-120:]]
     saved = list(recent.saved)[-120:]
+    reports, computed, reused = recent.reuse()
     slots = parts.slots
     indexer = memory.indexer
     info = upstream.info
@@ -134,6 +135,12 @@ async def overview(request: web.Request, v: Visit) -> web.StreamResponse:
         sent=sum(s for _, s, _ in saved),
         forwarded=sum(f for _, _, f in saved),
         recent_requests=len(saved),
+        cache={
+            "requests": reports,
+            "computed": computed,
+            "reused": reused,
+            "share": reused / (computed + reused) if computed + reused else None,
+        },
         p50=p50,
         p95=p95,
         spark=charts.sparkline(latencies),
