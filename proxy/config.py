@@ -164,6 +164,23 @@ class UpstreamSettings:
         "the client sent (with auth.mode = keys the client's key is Engram's and never goes "
         "upstream). Empty: the client's own Authorization is forwarded (mode none) or none is.",
     )
+    own_calls_idle: float = opt(
+        5.0,
+        "Engram's own calls to the model (summaries, sub-agent hand-backs, consolidation) "
+        "start only when no request to the upstream is in flight through this process and "
+        "none has ended for this many seconds: on a one-slot model server they would make the "
+        "user's next turn wait for them and may evict its cached prompt. Agent loops send "
+        "their next turn the instant a reply ends; a person reads and types for longer. "
+        "0: as soon as nothing is in flight.",
+        min=0,
+    )
+    own_calls_max_wait: float = opt(
+        120.0,
+        "The longest one of Engram's own calls waits for that idle moment; then it runs "
+        "anyway (a busy server still gets its summaries), and then it may evict the user's "
+        "cached prompt on a one-slot server. 0: never wait.",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -356,6 +373,54 @@ class RetrievalSettings:
         min=0,
         max=1,
     )
+    gate: bool = opt(
+        True,
+        "Inject a memory only where it bears on the message (proxy/search/relevance.py): top_k and "
+        "the budgets are ceilings, a message that needs nothing (thanks, ok, an instruction "
+        "about the task at hand) gets nothing. Off: the top_k best hits, whatever they are.",
+    )
+    gate_min_share: float = opt(
+        0.8,
+        "Gate: for a message that is not a question, a memory's fused score must be at least "
+        "this share of the best hit's.",
+        min=0,
+        max=1,
+    )
+    gate_min_cosine: float = opt(
+        0.35,
+        "Gate: the cosine to a message that is not a question a full-text hit needs (a shared "
+        "word alone is no relevance).",
+        min=-1,
+        max=1,
+    )
+    gate_question_cosine: float = opt(
+        0.25,
+        "Gate: the cosine to a question (a '?', or a question word first) a full-text hit "
+        "needs; a question's hits are not cut by rank or score share.",
+        min=-1,
+        max=1,
+    )
+    gate_cosine_alone: float = opt(
+        0.5,
+        "Gate: the cosine a hit needs that full-text search did not find, or any hit of a "
+        "message without content words.",
+        min=-1,
+        max=1,
+    )
+    gate_assistant_extra: float = opt(
+        0.03,
+        "Gate: the cosine a model's own reply needs beyond a user's words (what a model said "
+        "is evidence of what was said, not of what is true).",
+        min=0,
+        max=1,
+    )
+    gate_min_words: int = opt(
+        2,
+        "Gate: content words (not stop words, greetings or thanks) a memory must hold: a bare "
+        "acknowledgement is never one.",
+        min=0,
+        max=20,
+    )
 
     def score_weights(self) -> dict[str, float]:
         """The scored fusion's weights by feature name (see proxy/search/scoring.py)."""
@@ -376,10 +441,12 @@ class PromptSettings:
     """[prompt] — how the forwarded prompt is assembled under the context budget."""
 
     mode: str = opt(
-        "zones",
-        "zones: memories right after the system prompt (primacy), summary and recent "
-        "turns at the end (recency). stable: memories lead the new user message instead, so the "
-        "prompt stays byte-identical turn to turn and llama.cpp reuses its KV cache.",
+        "stable",
+        "stable: each user message's memories lead that message and stay there in every later "
+        "request (kept in the database), so each forwarded prompt extends the last byte for byte "
+        "and the model server computes only what is new; a window cut, rare and deep, is the "
+        "only time the prefix moves. zones: memories right after the system prompt (primacy), "
+        "chosen afresh every turn: the model server recomputes the whole prompt each turn.",
         choices=("zones", "stable"),
     )
     whole_share: float = opt(

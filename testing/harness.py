@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from proxy.app import create_app
+from proxy.chat.fence import BLOCK_CLOSE, BLOCK_OPEN
 from proxy.chat.turn import ChatTurn
 from proxy.config import Settings, load_settings
+from proxy.messages import content_text
 from proxy.services import SERVICES
 from proxy.store import queries
 from proxy.store.models import Turn
@@ -51,11 +55,14 @@ class Engram:
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     """Engram on a free port with its own database in a temporary folder. Unless a test says
     otherwise it uses the deterministic hash embedder (tests about memory use the real model), a
-    recall deadline of 5 s (``limits.recall_deadline``), and loopback clients may use the admin
-    API without the token (``auth.loopback_admin``)."""
+    recall deadline of 5 s (``limits.recall_deadline``), loopback clients may use the admin API
+    without the token (``auth.loopback_admin``), and Engram's own upstream calls wait only while
+    a request is in flight (``upstream.own_calls_idle = 0``)."""
     tmp = tempfile.TemporaryDirectory(prefix="engram-test-")
     overrides: dict[str, dict[str, Any]] = {
-        "upstream": {"url": upstream_url},
+        # Engram's own calls (summaries…) wait for no chat in flight, not for seconds of quiet
+        # (tests of that wait set their own upstream.own_calls_idle).
+        "upstream": {"url": upstream_url, "own_calls_idle": 0.0},
         "memory": {"db_path": f"{tmp.name}/engram.db"},
         "embedder": {"model": "hash"},
         # Tests of other things reach the admin API from loopback without the token; the
@@ -100,3 +107,20 @@ async def turns_as_sent(engram: Engram, session_id: str) -> list[Turn]:
     store = engram.app[SERVICES].store
     assert store is not None, "memory is off"
     return await store.read(lambda c: queries.session_turns(c, session_id, as_sent=True))
+
+
+_BLOCK = re.compile(re.escape(BLOCK_OPEN) + r"[^>]*>.*?" + re.escape(BLOCK_CLOSE) + r"[^>]*>", re.S)
+
+
+def memory_blocks(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every memory block in forwarded ``messages``, in order, wherever it sits: the system
+    message (``prompt.mode = "zones"``) or leading a user message (``"stable"``, the default)."""
+    out: list[str] = []
+    for m in messages:
+        out += _BLOCK.findall(content_text(m.get("content")))
+    return out
+
+
+def forwarded_memory(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The text of every memory block in forwarded ``messages`` ("" when none)."""
+    return "\n".join(memory_blocks(messages))

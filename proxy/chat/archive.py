@@ -31,7 +31,9 @@ from proxy.logs import event
 from proxy.messages import content_text, extend_chain, without_lone_surrogates
 from proxy.redact import redact
 from proxy.store import scaffolds
-from proxy.store.models import NewTurn, embed_text, text_hash
+from proxy.store.blocks import put_block
+from proxy.store.db import Connection
+from proxy.store.models import NewTurn, Session, embed_text, text_hash
 from proxy.store.store import Store
 from proxy.tokens import estimate
 
@@ -214,10 +216,21 @@ class Archive:
         user = placement.session.user_id
         if rows and self.quota is not None and not await self.quota.allows(user, len(rows)):
             return True  # over the user's turn cap (logged): the reply goes, unarchived
+        key, shown = mt.block_key, list(mt.injected)
+
+        def commit(c: Connection) -> tuple[Session, list[tuple[int, NewTurn]]]:
+            session, inserted = commit_turns(c, placement, rows, now)
+            if key is not None:  # what was laid before the user message, for later requests
+                put_block(c, session.user_id, key, session.id, shown, now)
+            return session, inserted
+
+        if not rows:
+            if key is not None:
+                sid = placement.session.id
+                await self.store.write(lambda c: put_block(c, user, key, sid, shown, now))
+            return True
         if rows:
-            session, inserted = await self.store.write(
-                lambda c: commit_turns(c, placement, rows, now)
-            )
+            session, inserted = await self.store.write(commit)
             self.archived_turns += len(inserted)
             if self.on_repeated is not None and any(
                 p.kind == "repeated" for _, r in inserted for p in r.scaffold

@@ -21,7 +21,7 @@ own text. What either block holds is stored text made inert (:mod:`proxy.chat.fe
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,12 +149,15 @@ def assemble(
     mode: str = "zones",
     whole_share: float = 0.8,
     previous_start: int | None = None,
+    laid: Mapping[int, str] | None = None,
 ) -> Assembly:
     """Build the forwarded messages. ``budget`` is the prompt's token budget (None: unknown,
     forward whole). ``summary`` stands in for the aged part when the conversation is cut. In
     ``stable`` mode ``previous_start`` (where this conversation's last window began) is kept
     while the window still fits, and a cut goes deeper (to :data:`STABLE_REFILL` of the room),
-    so the forwarded prefix stays byte-identical for many turns between cuts.
+    so the forwarded prefix stays byte-identical for many turns between cuts. ``laid`` (mode
+    ``stable``): the blocks earlier requests laid before earlier user messages, by index, laid
+    there again exactly so (:mod:`proxy.chat.laying`); they go wherever their message goes.
 
     Memory never makes the request worse than none: when the system messages and the current
     turn alone exceed the budget the messages go as sent, without memory (note
@@ -170,6 +173,13 @@ def assemble(
     first = 1 if msgs and is_system(msgs[0]) else 0
     sizes = [count(m) for m in msgs]
     original = sum(sizes)
+    earlier = {i: b for i, b in (laid or {}).items() if b and 0 <= i < n}
+    if mode != "stable":
+        earlier = {}
+    own_sizes = list(sizes)
+    for i, b in earlier.items():  # a message goes with its block: they cost as one
+        sizes[i] += count_text(b) + 4
+    laid_cost = sum(sizes) - original
     mem_cost = count_text(memory_block) + 4 if memory_block else 0
     # A message the memory block joins costs its own tokens plus the block's: the whole is not
     # counted again (the block is the biggest text of a memory-on request).
@@ -195,13 +205,13 @@ def assemble(
             Part("primacy" if i < first else "recency", "system" if i < first else "sent", i)
             for i in range(n)
         ]
-        return Assembly(msgs, sent, False, 0, original, original, first, [OVER_BUDGET], sizes)
+        return Assembly(msgs, sent, False, 0, original, original, first, [OVER_BUDGET], own_sizes)
 
     if budget is not None and fixed > budget:  # nothing Engram could do makes it fit
         return as_sent()
     history = any(not is_system(msgs[i]) for i in range(first, cur))
 
-    whole = budget is None or original + mem_cost <= whole_share * budget
+    whole = budget is None or original + laid_cost + mem_cost <= whole_share * budget
     start = first
     if not whole:
         assert budget is not None
@@ -212,10 +222,14 @@ def assemble(
         kept_history = any(not is_system(msgs[i]) for i in range(start, cur))
         if history and not kept_history and not summary:
             # Nothing of the history would be left and nothing stands for it.
-            if original + mem_cost <= budget:
+            if original + laid_cost + mem_cost <= budget:
                 whole, start = True, first
-            elif original <= budget:
+            elif original + laid_cost <= budget:
                 whole, start, memory_block, mem_cost = True, first, "", 0
+                notes.append(MEMORY_DROPPED)
+            elif original <= budget:  # not even the earlier blocks fit beside it
+                whole, start, memory_block, mem_cost = True, first, "", 0
+                earlier, sizes = {}, own_sizes
                 notes.append(MEMORY_DROPPED)
             else:
                 return as_sent()
@@ -238,8 +252,14 @@ def assemble(
 
     kept = [i for i in history_systems if i < start]
     kept += range(start, n)
+
+    def laid_again(i: int) -> Message:
+        if i not in earlier:
+            return msgs[i]
+        return known(with_leading_text(msgs[i], earlier[i]), sizes[i])
+
     window: list[tuple[Message, str, int | None]] = [
-        (msgs[i], "system" if is_system(msgs[i]) else "recent" if i < cur else "current", i)
+        (laid_again(i), "system" if is_system(msgs[i]) else "recent" if i < cur else "current", i)
         for i in kept
     ]
     if summary:

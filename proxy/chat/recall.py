@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from proxy import scaffold
@@ -29,6 +29,7 @@ from proxy.chat.turn import MemoryTurn, Why
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
+from proxy.search.relevance import GateSettings, HitFeatures, admit, query_content
 from proxy.search.retrieval import Hit, RecallTimeout, Retriever
 from proxy.store import corrections, queries, scaffolds
 from proxy.store.items import session_items
@@ -98,6 +99,7 @@ class Recall:
         self.settings = settings
         self.store = store
         self.retriever = retriever
+        self.gate = GateSettings.of(settings.retrieval)
         # text hash as sent -> (hash as sent, redacted, as archived: redacted words)
         self._hashes: LRU[str, tuple[str, str, str]] = LRU(TEXT_CACHE)
         # user -> (when read, paragraphs that became scaffolding by repetition)
@@ -117,8 +119,12 @@ class Recall:
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
-    async def recall(self, mt: MemoryTurn, window_start: int) -> list[Recalled]:
-        """The best memories for the new user message that the forwarded window lacks."""
+    async def recall(
+        self, mt: MemoryTurn, window_start: int, shown: Collection[int] = ()
+    ) -> list[Recalled]:
+        """The memories that bear on the new user message (:mod:`proxy.search.relevance`) and that
+        the forwarded window lacks: neither its messages' text nor the memories ``shown`` by
+        blocks laid earlier in it (once per conversation)."""
         s = self.settings.retrieval
         query = query_text(mt.messages)
         if not query or s.top_k <= 0 or s.budget_tokens <= 0:
@@ -141,8 +147,8 @@ class Recall:
             # A turn stored before scaffolding was cut out reads as its words.
             return bool(scaffold.words_of(role, content).strip())
 
-        def keep(turn: Turn) -> bool:
-            return turn.recall >= 0 and wanted(turn.role, turn.content)  # muted: never
+        def keep(turn: Turn) -> bool:  # muted: never; shown in this conversation: not again
+            return turn.recall >= 0 and turn.id not in shown and wanted(turn.role, turn.content)
 
         session = mt.placement.session if mt.placement else None
         if session is None and mt.identity.parent is not None:
@@ -189,7 +195,9 @@ class Recall:
                     )
         if not scope:  # what the user pinned comes into every chat (not a sub-agent's)
             for item in await self.pinned(mt.identity.user):
-                if wanted(item.role, item.content) and item.id not in mt.why:
+                if item.id in shown or item.id in mt.why:
+                    continue
+                if wanted(item.role, item.content):
                     mt.why[item.id] = Why("pinned", 1.0, {})
                     extra.append(recalled(item, 1.0))
         degraded: list[str] = []
@@ -213,6 +221,15 @@ class Recall:
             return extra
         if degraded:
             mt.memory_note = degraded[0]  # "fts-only": the query vector came too late
+        if self.gate.enabled and hits:
+            features = [
+                HitFeatures(
+                    h.score, h.cosine, h.ranks.get("fts"), h.ranks.get("vec"), h.turn.role,
+                    h.turn.content,
+                )
+                for h in hits
+            ]  # fmt: skip
+            hits = [hits[i] for i in admit(query_content(query), features, self.gate)]
         near: dict[int, list[Recalled]] = {}
         if s.neighbours > 0 and hits:
             try:

@@ -21,16 +21,20 @@ from typing import Any
 from proxy.background.summarizer import Summarizer
 from proxy.cache import LRU, SizedLRU
 from proxy.chat.fence import Recalled, block_tag, memory_block
+from proxy.chat.laying import UNLIMITED, Layer, user_chains
 from proxy.chat.prompt import (
     MEMORY_DROPPED,
     OVER_BUDGET,
     Assembly,
     Message,
     assemble,
+    current_start,
     fixed_tokens,
+    is_system,
+    last_user_index,
 )
 from proxy.chat.recall import Recall
-from proxy.chat.turn import MemoryTurn
+from proxy.chat.turn import Laid, MemoryTurn
 from proxy.config import Settings
 from proxy.messages import content_text
 from proxy.redact import Redactor
@@ -92,7 +96,8 @@ class Rewriter:
         )
         # session id -> where its last rewritten window began (-1: it went whole), so the next
         # request's window starts there too (the upstream's prompt cache keeps working)
-        self.windows: LRU[str, int] = LRU(WINDOWS)
+        self.windows: LRU[str, tuple[int, str | None]] = LRU(WINDOWS)
+        self.layer = Layer(store, recall)  # the blocks earlier requests laid (mode stable)
         self.fence_secret = secrets.token_bytes(32)  # the memory block's tags (fence.block_tag)
         # Read what other processes learned of a model's token counts, before budgeting a
         # request of a model not learned here (set by proxy.services; None: nothing to ask).
@@ -143,13 +148,21 @@ class Rewriter:
             mt.memory_note = OVER_BUDGET
             self._remember(mt, mt.assembly)
             return
+        latest: str | None = None
         if budget is not None and mt.placement is not None and self.summarizer is not None:
             sid = mt.placement.session.id
             found = await self.store.read(lambda c: get_summary(c, sid))
-            mt.summary = found.content if found else None
+            latest = mt.summary = found.content if found else None
+        stable = s.prompt.mode == "stable"
         if mt.placement is not None:
-            start = self.windows.get(mt.placement.session.id)
+            window = self.windows.get(mt.placement.session.id)
+            start = window[0] if window is not None else None
             mt.previous_start = start if start is not None and start >= 0 else None
+            if stable and mt.previous_start is not None and window is not None:
+                mt.summary = window[1]  # the summary the window opened with, until a cut
+        if recall and stable:
+            mt.laid = await self.laid(mt, view)
+        laid = mt.laid.blocks if mt.laid is not None else None
         room = self.memory_room(budget) if recall else 0
         mt.memory_room = room if budget is None else max(0, min(room, budget - fixed))
         mem_room = mt.memory_room
@@ -162,9 +175,22 @@ class Rewriter:
             whole_share=s.prompt.whole_share,
             summary=mt.summary,
             previous_start=mt.previous_start,
+            laid=laid,
         )
-        memories = await self.recall.recall(mt, draft.window_start) if recall else []
+        memories: list[Recalled] = []
+        if mt.laid is not None and mt.laid.current_ids is not None:
+            # The same message as before (a tool loop's next request, a regenerated reply):
+            # exactly the block it had, searched for no more.
+            memories, mt.memory_room = mt.laid.current_memories, UNLIMITED
+        elif recall:
+            shown = mt.laid.shown_from(draft.window_start) if mt.laid is not None else set()
+            memories = await self.recall.recall(mt, draft.window_start, shown)
+            if mt.laid is not None and mt.memory_note != "recall-timeout":
+                mt.block_key = mt.laid.current_key  # what is laid now is recorded (archive)
         final = self.assemble(mt, memories, budget, count, count_text)
+        if stable and final.window_start != mt.previous_start and mt.summary != latest:
+            mt.summary = latest  # a cut: the window opens with the newest summary
+            final = self.assemble(mt, memories, budget, count, count_text)
         if MEMORY_DROPPED in final.notes and budget is not None:
             # The history fits only without the block: a smaller block in what is left.
             mt.memory_room = max(0, budget - final.original_tokens - BLOCK_SLACK)
@@ -186,12 +212,29 @@ class Rewriter:
         self._remember(mt, final)
 
     def _remember(self, mt: MemoryTurn, final: Assembly) -> None:
-        """Keep where the window began and what was sent, for the session's next request and
-        the inspector's last-request view."""
+        """Keep where the window began (and the summary it opened with) and what was sent,
+        for the session's next request and the inspector's last-request view."""
         if mt.placement is not None:
             sid = mt.placement.session.id
-            self.windows[sid] = final.window_start if final.rewritten else -1
+            start = final.window_start if final.rewritten else -1
+            self.windows[sid] = (start, mt.summary if start >= 0 else None)
             self.last_requests[sid] = (time.time(), final)
+
+    async def laid(self, mt: MemoryTurn, view: Sequence[Message]) -> Laid:
+        """What earlier requests of the conversation laid before its user messages
+        (:mod:`proxy.chat.laying`), rendered again."""
+        first = 1 if view and is_system(view[0]) else 0
+        current = last_user_index(view, current_start(view, first))
+        keys = user_chains(mt.messages, mt.chains)
+        return await self.layer.read(mt.identity.user, keys, current, self.fence_secret)
+
+    def tag(self, mt: MemoryTurn) -> str:
+        """The memory block's tag for this request's conversation (:func:`block_tag`); a block
+        laid again keeps the tag it was laid with."""
+        if mt.laid is not None and mt.laid.current_tag is not None:
+            return mt.laid.current_tag
+        scope = mt.placement.session.id if mt.placement is not None else mt.identity.user
+        return block_tag(self.fence_secret, scope)
 
     async def rendered_tokens(self, rendered: Sequence[Any], model: str | None) -> int:
         """Tokens the upstream spends on ``rendered`` (tool definitions): their JSON's tokens,
@@ -325,9 +368,7 @@ class Rewriter:
         count_text: Callable[[str], int],
     ) -> Assembly:
         s = self.settings
-        scope = mt.placement.session.id if mt.placement is not None else mt.identity.user
-        tag = block_tag(self.fence_secret, scope)
-        block, used = memory_block(memories, mt.memory_room, count_text, tag)
+        block, used = memory_block(memories, mt.memory_room, count_text, self.tag(mt))
         mt.injected = [m.id for m in used]
         # The block's tokens as its lines' plus one per line end, as memory_block filled it
         # (each line counted and remembered then): at most a token a line above the exact
@@ -351,4 +392,5 @@ class Rewriter:
             whole_share=s.prompt.whole_share,
             summary=mt.summary,
             previous_start=mt.previous_start,
+            laid=mt.laid.blocks if mt.laid is not None else None,
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.chat.api import Conversation
+from proxy.chat.fence import Recalled
 from proxy.chat.identity import Identity
 from proxy.chat.prompt import Assembly
 from proxy.sse import AssembledReply
@@ -34,6 +35,25 @@ class Why:
     score: float
     ranks: dict[str, int | None]
     of: int | None = None
+
+
+@dataclass
+class Laid:
+    """Mode ``stable`` (:mod:`proxy.chat.laying`): the blocks of one request. Earlier user
+    messages' blocks laid again (index -> block text, and the memory ids each shows), and what
+    is known of the current user message's."""
+
+    blocks: dict[int, str] = field(default_factory=dict)
+    ids: dict[int, list[int]] = field(default_factory=dict)
+    current: int | None = None  # index of the current user message
+    current_key: str | None = None
+    current_ids: list[int] | None = None  # a record for it exists: lay these, search nothing
+    current_memories: list[Recalled] = field(default_factory=list)
+    current_tag: str | None = None  # the tag its block was laid with
+
+    def shown_from(self, start: int) -> set[int]:
+        """Memory ids the earlier blocks at or after ``start`` show (they stay in the prompt)."""
+        return {m for i, ids in self.ids.items() if i >= start for m in ids}
 
 
 @dataclass
@@ -75,6 +95,10 @@ class MemoryTurn:
     # The forwarded prompt's tokens before the model's correction, as the assembler counted
     # them (what the upstream's usage report is learned against, without counting again).
     raw_tokens: int | None = None
+    # Mode stable: the blocks earlier requests laid (proxy.chat.laying), and the key of the
+    # current user message when what is laid before it now is to be recorded with the archive.
+    laid: Laid | None = None
+    block_key: str | None = None
 
 
 @dataclass

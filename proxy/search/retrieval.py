@@ -56,11 +56,14 @@ class Scoring:
 
 @dataclass(frozen=True)
 class Hit:
-    """One search result: the turn, its fused score and its 1-based rank in each path."""
+    """One search result: the turn, its fused score and its 1-based rank in each path;
+    ``cosine``: its vector's cosine to the query's (None when unknown), what the relevance
+    gate (:mod:`proxy.search.relevance`) reads beside the ranks, since fused scores are relative."""
 
     turn: Turn
     score: float
     ranks: dict[str, int | None]
+    cosine: float | None = None
 
 
 class Retriever:
@@ -177,9 +180,11 @@ class Retriever:
             return t
 
         fused: Iterable[Fused[int]]
+        cosines: dict[int, float | None] = {i: 1.0 - d for i, d in vec_rows}
         if mode == "hybrid" and s.fusion == "scored":
             found = [i for i in ids if i in rows]  # in the order of the paths, as get_turns
             columns = await self._candidates(user_id, found, rows, fts_rows, vec_rows, qvec)
+            cosines = dict(zip(columns.ids, columns.cosine, strict=True))
             if scoring is not None:
                 scoring.append(Scoring(columns.candidates(), rankings))
             fused = scored_order(columns, query, rankings, s.score_weights(), time.time())
@@ -196,7 +201,7 @@ class Retriever:
                     break
         if use and qvec is not None and len(kept) > 1:
             kept = await self._mmr(user_id, kept, qvec, k)
-        return [Hit(turn(f.id), f.score, f.ranks) for f in kept[:k]]
+        return [Hit(turn(f.id), f.score, f.ranks, cosines.get(f.id)) for f in kept[:k]]
 
     async def _candidates(
         self,

@@ -76,6 +76,8 @@ Conventions the schema fixes (migration 1):
   changed (``indexed``, ``vector``, ``changed``); the last ``CHANGES_KEEP`` rows are kept.
 - Migration 16 (jobs shared by those processes, :mod:`proxy.store.leases`): ``leases`` holds who
   runs the background job on an item, until when.
+- Migration 17 (a prompt whose prefix never moves, :mod:`proxy.store.blocks`): ``prompt_blocks``
+  holds which memories were laid before which user message of a session.
 """
 
 from __future__ import annotations
@@ -327,6 +329,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (14, later.m014_browse_indexes),
     (15, later.m015_changes),
     (16, later.m016_leases),
+    (17, later.m017_prompt_blocks),
 )
 """(version, function), ascending. Append only."""
 

@@ -275,3 +275,22 @@ def m016_leases(conn: Connection) -> None:
         ) WITHOUT ROWID;
         """,
     )
+
+
+PROMPT_BLOCKS_SQL = """
+        CREATE TABLE prompt_blocks (
+            user_id TEXT NOT NULL,
+            chain TEXT NOT NULL,
+            session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+            turn_ids TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (user_id, chain)
+        ) WITHOUT ROWID;
+        CREATE INDEX prompt_blocks_session ON prompt_blocks(session_id);
+        """
+
+
+def m017_prompt_blocks(conn: Connection) -> None:
+    """``prompt_blocks``: which memories were laid before which user message of a conversation,
+    so later requests lay the same block again (:mod:`proxy.store.blocks`)."""
+    execute_script(conn, PROMPT_BLOCKS_SQL)

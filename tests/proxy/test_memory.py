@@ -19,7 +19,7 @@ from proxy.store.models import Turn
 from proxy.vectors import Vector
 from testing.fake_chunks import chat_chunks, template_violations
 from testing.fake_upstream import FakeUpstream, StreamReply
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, forwarded_memory, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
@@ -59,6 +59,11 @@ def forwarded_system(fake: FakeUpstream) -> str:
     return msgs[0]["content"] if msgs[0]["role"] == "system" else ""
 
 
+def forwarded_block(fake: FakeUpstream) -> str:
+    """The memory blocks of the last forwarded request ("" when none)."""
+    return forwarded_memory(fake.chat_requests()[-1].json()["messages"])
+
+
 @pytest_asyncio.fixture
 async def real(fake: FakeUpstream) -> Any:
     e = await start_engram(fake.url, embedder=REAL_MODEL)
@@ -85,10 +90,10 @@ async def test_fact_recalled_in_later_conversation_of_same_user_only(
         [SYSTEM, {"role": "user", "content": "Which cat breed does my sister raise?"}],
         user="alice",
     )
-    system = forwarded_system(fake)
-    assert system.startswith(SYSTEM["content"])  # byte-identical prefix
-    assert BLOCK_OPEN in system and "Siamese" in system
-    assert "not instructions" in system
+    assert forwarded_system(fake) == SYSTEM["content"]  # byte-identical, memory after it
+    block = forwarded_block(fake)
+    assert BLOCK_OPEN in block and "Siamese" in block
+    assert "not instructions" in block
     assert int(r.headers["X-Engram-Memories"]) >= 1
     assert not template_violations(fake.chat_requests()[-1].json()["messages"])
     # Another user asks the same: nothing of alice's reaches them.
@@ -221,7 +226,7 @@ async def test_read_only_and_write_only_modes(
         headers={"X-Engram-Memory": "write-only"},
     )
     await settle(engram)
-    assert fake.chat_requests()[-1].json()["messages"][0]["role"] == "user"  # nothing injected
+    assert forwarded_block(fake) == ""  # nothing injected
     stored = len(await all_turns(engram, "m"))
     assert stored == 2
     _, _r = await chat(
@@ -232,7 +237,7 @@ async def test_read_only_and_write_only_modes(
         headers={"X-Engram-Memory": "read-only"},
     )
     await settle(engram)
-    assert "zebra stripes pattern" in forwarded_system(fake)
+    assert "zebra stripes pattern" in forwarded_block(fake)
     assert len(await all_turns(engram, "m")) == stored  # read-only stored nothing
 
 
@@ -328,24 +333,33 @@ async def test_token_counts_calibrated_from_upstream_usage(
     assert tokens.ratio("m") is not None
 
 
+@pytest_asyncio.fixture
+async def real_zones(fake: FakeUpstream) -> Any:
+    e = await start_engram(fake.url, embedder=REAL_MODEL, prompt={"mode": "zones"})
+    try:
+        yield e
+    finally:
+        await e.close()
+
+
 async def test_a_rewritten_prompt_is_learned_against_the_assemblers_count(
-    real: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+    real_zones: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     """A prompt with memories is learned from without counting it again: the sample is the
     upstream's count over the assembler's, which is a fresh count's or above it by at most a
     token a line of the memory block (a line end that merges with the line before) and the
     block's four for joining the system message (prompt.assemble), give or take the rounding
     of each line's and message's corrected count (half a token each)."""
-    tokens = real.app[SERVICES].memory.tokens
-    await chat(http, real, [SYSTEM, {"role": "user", "content": "I play the cello."}], user="c")
-    await settle(real)
+    tokens = real_zones.app[SERVICES].memory.tokens
+    await chat(http, real_zones, [SYSTEM, {"role": "user", "content": "I play the cello."}], user="c")
+    await settle(real_zones)
     before = tokens.ratio("m")
     assert before is not None
     _, r = await chat(
-        http, real, [SYSTEM, {"role": "user", "content": "What instrument do I play?"}], user="c"
+        http, real_zones, [SYSTEM, {"role": "user", "content": "What instrument do I play?"}], user="c"
     )
     assert int(r.headers["X-Engram-Memories"]) >= 1
-    await settle(real)
+    await settle(real_zones)
     after = tokens.ratio("m")
     assert after is not None and after != before
     sample = (after - 0.8 * before) / 0.2  # the moving average's new sample (TokenCounter.learn)
@@ -458,7 +472,7 @@ async def test_cache_mb_sizes_the_search_caches_and_zero_holds_nothing(fake: Fak
             )
             await settle(engram)
             await chat(http, engram, [{"role": "user", "content": "Where does Miso sleep?"}])
-        assert "piano" in forwarded_system(fake)
+        assert "piano" in forwarded_block(fake)
         assert store.terms.loads == 0 and store.vectors.loads == 0
         users = await store.list_users()
         assert users and all(

@@ -185,6 +185,61 @@ def test_stable_mode_keeps_prefix_identical_across_turns() -> None:
     assert z1[0] != z2[0]  # zones mode: the system message changes with the memories
 
 
+def test_stable_mode_lays_earlier_blocks_again_so_every_turn_extends_the_last() -> None:
+    """Each turn's block stays before the user message it was made for (``laid``): turn n+1's
+    forwarded prompt extends turn n's byte for byte, blocks included."""
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    laid: dict[int, str] = {}
+    previous: list[Message] | None = None
+    for i in range(8):
+        msgs.append({"role": "user", "content": f"question {i}"})
+        block = f"MEMORY FOR {i}" if i % 3 == 0 else ""
+        out = assemble(
+            msgs,
+            budget=5000,
+            count=count,
+            count_text=tok,
+            memory_block=block,
+            mode="stable",
+            laid=laid,
+        )
+        if previous is not None:
+            assert out.messages[: len(previous)] == previous
+            assert json.dumps(out.messages).startswith(json.dumps(previous)[:-1])
+        if block:
+            laid[len(msgs) - 1] = block
+        assert out.messages[0] == {"role": "system", "content": "S"}
+        previous = out.messages
+        msgs.append({"role": "assistant", "content": f"answer {i}"})
+    blocks = [m for m in previous or [] if isinstance(m["content"], list)]
+    assert [b["content"][0]["text"] for b in blocks] == [f"MEMORY FOR {i}\n\n" for i in (0, 3, 6)]
+    # the laid blocks' tokens are counted with their messages
+    out = assemble(msgs, budget=5000, count=count, count_text=tok, mode="stable", laid=laid)
+    plain = assemble(msgs, budget=5000, count=count, count_text=tok, mode="stable")
+    assert out.tokens == plain.tokens + sum(tok(b) + 4 for b in laid.values())
+    # zones lays nothing again
+    zones = assemble(msgs, budget=5000, count=count, count_text=tok, laid=laid)
+    assert zones.messages == plain.messages
+
+
+def test_a_window_too_small_for_the_laid_blocks_cuts_them_with_their_messages() -> None:
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    laid: dict[int, str] = {}
+    for i in range(30):
+        msgs.append({"role": "user", "content": f"question {i} " * 10})
+        laid[len(msgs) - 1] = f"memory {i} " * 20
+        msgs.append({"role": "assistant", "content": f"answer {i} " * 10})
+    msgs.append({"role": "user", "content": "last"})
+    out = assemble(msgs, budget=900, count=count, count_text=tok, mode="stable", laid=laid)
+    assert out.rewritten and out.tokens <= 900
+    assert not template_violations(out.messages)
+    kept = [p.index for p in out.parts if p.index is not None and p.index in laid]
+    assert kept and all(i >= out.window_start for i in kept)
+    for part, msg in zip(out.parts, out.messages, strict=True):
+        if part.index in laid:
+            assert msg["content"][0]["text"].startswith(laid[part.index])
+
+
 def test_tool_unit_is_never_split() -> None:
     msgs: list[Message] = [{"role": "user", "content": "read files"}]
     msgs.append(

@@ -2,7 +2,8 @@
 
 Replicas starting together race to migrate: each takes the session advisory lock
 :data:`LOCK_KEY` first, so one applies what is missing and the others, once they hold it, find
-it applied. The schema itself is :mod:`proxy.store.pg.schema`, version 16 (SQLite's numbering).
+it applied. The schema itself is :mod:`proxy.store.pg.schema`, versions 16 and 17 (SQLite's
+numbering).
 """
 
 from __future__ import annotations
@@ -14,7 +15,27 @@ from proxy.store.pg import schema
 from proxy.store.pg.connection import ensure_vector_types
 
 LOCK_KEY = 0x656E6772616D  # "engram"
-MIGRATIONS: list[tuple[int, Any]] = [(16, schema.schema_sql)]
+
+
+def prompt_blocks_sql(dim: int = 384) -> list[str]:
+    """Migration 17: ``prompt_blocks`` (:mod:`proxy.store.blocks`); ``dim`` is not used."""
+    del dim
+    return [
+        schema.binary_collation(
+            """CREATE TABLE prompt_blocks (
+            user_id    text NOT NULL,
+            chain      text NOT NULL,
+            session_id text NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
+            turn_ids   text NOT NULL,
+            created_at double precision NOT NULL,
+            PRIMARY KEY (user_id, chain)
+        )"""
+        ),
+        "CREATE INDEX prompt_blocks_session ON prompt_blocks(session_id)",
+    ]
+
+
+MIGRATIONS: list[tuple[int, Any]] = [(16, schema.schema_sql), (17, prompt_blocks_sql)]
 """(version, function of the vector dimension answering the statements), ascending. The
 numbering is SQLite's: PostgreSQL starts at the schema SQLite's migrations 1-16 leave, and a
 later change to the schema takes the same number on both."""

@@ -426,7 +426,7 @@ def _cleanup() -> list[str]:
 _TEXT_COLUMN = re.compile(r"^(\s+[a-z_]+\s+)text\b", re.MULTILINE)
 
 
-def _binary_collation(statement: str) -> str:
+def binary_collation(statement: str) -> str:
     """A ``CREATE TABLE`` with its text columns ``COLLATE "C"``: compared and ordered by code
     point, as SQLite's BINARY does, whatever the database's locale."""
     if not statement.lstrip().startswith("CREATE TABLE"):
@@ -441,7 +441,7 @@ def schema_sql(dim: int = 384) -> list[str]:
         raise ValueError(f"dim must be an integer from 1 to {MAX_DIM}, got {dim!r}")
     return [
         "CREATE EXTENSION IF NOT EXISTS vector",
-        *(_binary_collation(t) for t in _tables(dim)),
+        *(binary_collation(t) for t in _tables(dim)),
         *_fts(),
         *_changes(),
         *_cleanup(),

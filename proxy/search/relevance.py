@@ -1,0 +1,163 @@
+"""The relevance gate: which of a search's hits bear on the message at all (pure).
+
+Search always answers: its fused scores are relative (the best full-text match scores 1 on its
+feature whatever it matched), so a top 20 is full whenever the archive holds 20 turns. The gate
+reads what is absolute beside the ranks and keeps a hit only when:
+
+- the message has words to go on: a message of greetings, thanks and acknowledgements alone
+  ("thanks, that's all", "ok!") has no :func:`content_words` and gets nothing, unless a hit's
+  meaning is very close to it (``cosine_alone``);
+- the hit itself says something: a bare acknowledgement ("ok", "Thanks!", "haha nice") is never
+  a memory (fewer than ``min_words`` content words);
+- its vector agrees: a hit full-text search found needs a cosine to the query of at least
+  ``min_cosine`` (``question_cosine`` for a question; a shared common word alone is no
+  relevance), one only the vector path found needs ``cosine_alone``. Without a cosine (the
+  vector path did not run, or the turn has no vector yet) a full-text hit passes on its rank;
+- a question (:func:`is_question`: "when did I…?", "remind me…") asks for what was said: every
+  hit over ``question_cosine`` goes, whatever its rank (on LoCoMo, where every message is a
+  question, the evidence a top 20 holds sits anywhere in it); any other message (a statement,
+  an instruction, small talk) takes only what is close to it, ``min_cosine``, and near the best
+  hit: a fused score at least ``min_share`` of the best one's;
+- a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
+  ``assistant_extra`` more cosine on each of those bars.
+
+``retrieval.top_k`` and the budgets are ceilings: a message that needs nothing gets nothing.
+The thresholds are settings (``[retrieval] gate_*``), calibrated by ``python -m bench.gate`` on
+LoCoMo's questions and on messages that need no memory.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.search.fts_query import STOP_WORDS, tokens
+
+ACKNOWLEDGEMENTS = frozenset(
+    " ".join(
+        (
+            "ok okay k kk yes yeah yep yup ya no nope nah sure thanks thank thx ty cheers hi",
+            "hello hey hiya yo bye goodbye cya later morning evening night good great cool",
+            "nice fine perfect awesome wow lol haha hahaha hehe lmao right alright gotcha",
+            "got sounds please pls welcome np indeed exactly agreed true totally absolutely",
+            "definitely amazing wonderful love oh ah hmm um uh well much lot lots glad happy",
+            "see soon care take",
+        )
+    ).split()
+)
+"""Words that carry no topic of their own in a chat (greetings, thanks, agreement)."""
+_NUMBER = re.compile(r"\d+")
+
+
+def content_words(text: str) -> list[str]:
+    """The words of ``text`` that can bear a topic: neither stop words nor acknowledgements,
+    at least two characters (a number counts whatever its length)."""
+    out: list[str] = []
+    for t in tokens(text):
+        w = t.lower()
+        if w in STOP_WORDS or w in ACKNOWLEDGEMENTS:
+            continue
+        if len(w) >= 2 or _NUMBER.fullmatch(w):
+            out.append(w)
+    return out
+
+
+QUESTION_WORDS = frozenset(
+    " ".join(
+        (
+            "what when where who whom whose which why how did do does is are was were can could",
+            "would will should have has remind tell",
+        )
+    ).split()
+)
+"""Words that open a question (or a request to be told something) in English."""
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """What the gate reads of the message: its content words, and whether it asks."""
+
+    words: int
+    question: bool
+
+
+def is_question(text: str) -> bool:
+    """Whether ``text`` asks for something: it holds a question mark or opens with a question
+    word (English)."""
+    if "?" in text:
+        return True
+    first = next(iter(tokens(text[:200])), "").lower()
+    return first in QUESTION_WORDS
+
+
+def query_content(query: str) -> Query:
+    """What the gate needs of the message."""
+    return Query(len(set(content_words(query))), is_question(query))
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """The gate's thresholds (see the module's docstring); ``enabled`` False passes all."""
+
+    enabled: bool = True
+    min_share: float = 0.8
+    min_cosine: float = 0.35
+    question_cosine: float = 0.25
+    cosine_alone: float = 0.5
+    assistant_extra: float = 0.03
+    min_words: int = 2
+
+    @classmethod
+    def of(cls, retrieval: Any) -> GateSettings:
+        """The gate of ``[retrieval]`` settings (``gate``, ``gate_*``)."""
+        return cls(
+            retrieval.gate,
+            retrieval.gate_min_share,
+            retrieval.gate_min_cosine,
+            retrieval.gate_question_cosine,
+            retrieval.gate_cosine_alone,
+            retrieval.gate_assistant_extra,
+            retrieval.gate_min_words,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class HitFeatures:
+    """What the gate reads of one hit: fused score, cosine to the query (None: unknown), rank
+    on each path (None: not found there), role and text."""
+
+    score: float
+    cosine: float | None
+    fts: int | None
+    vec: int | None
+    role: str
+    content: str
+
+
+def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[int]:
+    """Indexes of the ``hits`` (best first) that bear on the message (:func:`query_content`),
+    in their order."""
+    if not g.enabled:
+        return list(range(len(hits)))
+    if not hits:
+        return []
+    best = max(h.score for h in hits)
+    share = 0.0 if query.question else g.min_share
+    floor = share * best if best > 0 and share > 0 else float("-inf")
+    bar = g.question_cosine if query.question else g.min_cosine
+    out: list[int] = []
+    for i, h in enumerate(hits):
+        if h.score < floor or len(content_words(h.content)) < g.min_words:
+            continue
+        extra = g.assistant_extra if h.role == "assistant" else 0.0
+        if h.cosine is None:
+            ok = h.fts is not None and query.words > 0
+        elif query.words == 0 or h.fts is None:
+            ok = h.cosine >= g.cosine_alone + extra
+        else:
+            ok = h.cosine >= bar + extra
+        if ok:
+            out.append(i)
+    return out

@@ -1,0 +1,73 @@
+"""The ``prompt_blocks`` table (migration 17): which memories Engram laid before which user
+message of a conversation, so that every later request lays the same block in the same place
+and the forwarded prompt keeps extending the one before it (DESIGN.md, invariant 4).
+
+A record names its message by the message's chain hash (:func:`proxy.messages.chain_hashes`:
+the message and every message before it) within its user, so a conversation the client edits or
+regenerates later on (a forked session) still finds the blocks of the messages it shares; it
+names the session that laid it (the block's tag is made from it, and forgetting that session
+takes the record with it, by cascade) and holds the memories' turn ids, best first: never their
+text. The block is rendered again from the turns each time (the fence secret is shared by every
+process on the database), so a turn forgotten, muted or edited since leaves the block as it
+would be made now.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from proxy.store.db import Connection
+
+MAX_IDS = 100
+"""Most memory ids one record keeps (``retrieval.top_k``'s ceiling)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """What was laid before one user message: by which session, which memories."""
+
+    session_id: str
+    ids: list[int]
+
+
+def blocks_of(conn: Connection, user_id: str, chains: Sequence[str]) -> dict[str, Record]:
+    """The user's records for the messages of ``chains`` that have one: chain -> record."""
+    out: dict[str, Record] = {}
+    wanted = list(dict.fromkeys(chains))
+    for i in range(0, len(wanted), 500):  # within any backend's parameter limit
+        part = wanted[i : i + 500]
+        marks = ",".join("?" * len(part))
+        for chain, session_id, ids in conn.execute(
+            f"SELECT chain, session_id, turn_ids FROM prompt_blocks"
+            f" WHERE user_id = ? AND chain IN ({marks})",
+            (user_id, *part),
+        ):
+            out[str(chain)] = Record(str(session_id), _ids(ids))
+    return out
+
+
+def put_block(
+    conn: Connection, user_id: str, chain: str, session_id: str, ids: Sequence[int], now: float
+) -> None:
+    """Record the memories laid before the message ``chain`` (the first record of a message
+    stays: a message's block never changes once forwarded). A session that is gone records
+    nothing."""
+    conn.execute(
+        "INSERT INTO prompt_blocks(user_id, chain, session_id, turn_ids, created_at)"
+        " SELECT ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?)"
+        " ON CONFLICT(user_id, chain) DO NOTHING",
+        (user_id, chain, session_id, json.dumps([int(i) for i in ids[:MAX_IDS]]), now, session_id),
+    )
+
+
+def _ids(text: object) -> list[int]:
+    """A record's ids, read defensively (anything but a list of integers reads as none)."""
+    try:
+        value = json.loads(str(text))
+    except ValueError:
+        return []
+    if not isinstance(value, list):
+        return []
+    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]

@@ -1,0 +1,242 @@
+"""A prompt whose prefix never moves (DESIGN.md invariants 4 and 15), through a running Engram
+with the real embedding model and a fake upstream that keeps a one-slot KV cache: each turn's
+forwarded prompt extends the last byte for byte, a memory is laid once, before the message it
+was recalled for, and stays there; a message that needs nothing gets nothing."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from proxy.chat.fence import BLOCK_OPEN
+from proxy.services import SERVICES
+from testing.fake_chunks import template_violations
+from testing.fake_upstream import FakeUpstream
+from testing.harness import Engram, forwarded_memory, memory_blocks, settle, start_engram
+
+pytestmark = pytest.mark.asyncio
+
+REAL_MODEL = {"model": "engram/all-MiniLM-L6-v2-q8"}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+EARLIER = [
+    "My sister Marta lives in Porto and she breeds Siamese cats.",
+    "The code of my garage door is 4711, and I keep forgetting it.",
+    "Next month I fly to Kyoto for the cherry blossoms with my friend Jonas.",
+]
+CHAT = [
+    "Good morning! I want to plan my week.",
+    "On Monday I have a dentist appointment at nine.",
+    "Which cat breed does my sister raise?",
+    "Tuesday is free, maybe I go for a long run.",
+    "thanks!",
+    "On Wednesday I need to finish the quarterly report.",
+    "ok",
+    "Thursday evening I am cooking for friends.",
+    "What should I cook for six people?",
+    "thanks, that's all",
+]
+
+
+@pytest_asyncio.fixture
+async def kv() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream(kv_cache=True) as upstream:
+        upstream.reply_text = lambda last: "Noted."  # no echo: a fact is stored once
+        yield upstream
+
+
+@pytest_asyncio.fixture
+async def db() -> AsyncIterator[str]:
+    with tempfile.TemporaryDirectory(prefix="engram-stable-") as tmp:
+        yield str(Path(tmp) / "engram.db")
+
+
+async def start(kv: FakeUpstream, db: str, **sections: dict[str, Any]) -> Engram:
+    return await start_engram(kv.url, embedder=REAL_MODEL, memory={"db_path": db}, **sections)
+
+
+async def send(
+    http: aiohttp.ClientSession, engram: Engram, messages: list[dict[str, Any]], **extra: Any
+) -> tuple[dict[str, Any], aiohttp.ClientResponse]:
+    async with http.post(
+        engram.url + "/v1/chat/completions",
+        headers={"X-Engram-User": "alice"},
+        json={"model": "m", "messages": messages, **extra},
+    ) as r:
+        assert r.status == 200, await r.text()
+        return await r.json(), r
+
+
+async def tell_earlier(http: aiohttp.ClientSession, engram: Engram) -> None:
+    for text in EARLIER:
+        await send(http, engram, [SYSTEM, {"role": "user", "content": text}])
+    await settle(engram)
+
+
+def extends(later: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> bool:
+    """Whether ``later`` starts with every message of ``earlier``, byte for byte as JSON."""
+    return json.dumps(later[: len(earlier)]) == json.dumps(earlier)
+
+
+async def test_each_turn_extends_the_last_and_a_memory_is_laid_once(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    engram = await start(kv, db)
+    try:
+        await tell_earlier(http, engram)
+        messages: list[dict[str, Any]] = [SYSTEM]
+        forwarded: list[list[dict[str, Any]]] = []
+        counts: list[int] = []
+        for text in CHAT:
+            messages.append({"role": "user", "content": text})
+            body, r = await send(http, engram, messages)
+            counts.append(int(r.headers["X-Engram-Memories"].split(";")[0]))
+            sent = kv.chat_requests()[-1].json()["messages"]
+            assert not template_violations(sent)
+            assert sent[0] == SYSTEM  # the system message byte-identical, nothing added to it
+            forwarded.append(sent)
+            messages.append(body["choices"][0]["message"])
+            await settle(engram)
+        for a, b in itertools.pairwise(forwarded):
+            assert extends(b, a)  # the prefix never moved
+        # The question about the sister got the fact, laid before it...
+        asked = CHAT.index("Which cat breed does my sister raise?")
+        assert counts[asked] >= 1
+        assert "Siamese" in forwarded_memory([forwarded[asked][-1]])
+        # ... still in front of the model at the last turn, shown there once, not injected again.
+        last = forwarded[-1]
+        assert sum("Siamese" in b for b in memory_blocks(last)) == 1
+        assert "Siamese" in forwarded_memory([last[2 * asked + 1]])
+        # Messages that need nothing got nothing.
+        for i, text in enumerate(CHAT):
+            if text in ("thanks!", "ok", "thanks, that's all"):
+                assert counts[i] == 0, (text, counts)
+        assert sum(counts) <= 6, counts
+        # The model server reused the prefix: each later prompt computed only its new part.
+        reports = [r.json() for r in kv.chat_requests()[-len(CHAT) :]]
+        assert reports  # (the fake's cache is checked through its own replies below)
+    finally:
+        await engram.close()
+
+
+async def test_the_fake_cache_computes_only_what_is_new(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    """What the model server reports: through Engram, turns 2..n compute about what a direct
+    chat computes plus the memory newly laid, nothing of the prefix again."""
+    engram = await start(kv, db)
+    try:
+        await tell_earlier(http, engram)
+        messages: list[dict[str, Any]] = [SYSTEM]
+        computed: list[int] = []
+        reused: list[int] = []
+        for text in CHAT[:6]:
+            messages.append({"role": "user", "content": text})
+            body, _ = await send(http, engram, messages)
+            details = body["usage"]["prompt_tokens_details"]
+            reused.append(details["cached_tokens"])
+            computed.append(body["usage"]["prompt_tokens"] - details["cached_tokens"])
+            messages.append(body["choices"][0]["message"])
+            await settle(engram)
+        assert all(r > 0 for r in reused[1:]), reused
+        # each later turn reuses everything the turn before sent
+        totals = [c + r for c, r in zip(computed, reused, strict=True)]
+        for i in range(1, len(totals)):
+            assert reused[i] >= totals[i - 1] - 1, (reused, totals)
+    finally:
+        await engram.close()
+
+
+async def test_a_tool_loop_and_a_regenerated_reply_get_the_same_block(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    engram = await start(kv, db)
+    try:
+        await tell_earlier(http, engram)
+        tools = [
+            {
+                "type": "function",
+                "function": {"name": "calendar", "parameters": {"type": "object"}},
+            }
+        ]
+        ask = [SYSTEM, {"role": "user", "content": "When do I fly to Kyoto with Jonas?"}]
+        _, r1 = await send(http, engram, ask, tools=tools)
+        first = kv.chat_requests()[-1].json()["messages"]
+        assert "Kyoto" in forwarded_memory(first)
+        await settle(engram)
+        # regenerate: the same request again, the same prompt byte for byte, searched no more
+        _, r2 = await send(http, engram, ask, tools=tools)
+        assert kv.chat_requests()[-1].json()["messages"] == first
+        assert r2.headers["X-Engram-Memories"] == r1.headers["X-Engram-Memories"]
+        await settle(engram)
+        loop = [
+            *ask,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "calendar", "arguments": '{"month": "next"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "No entries next month."},
+        ]
+        await send(http, engram, loop, tools=tools)
+        follow = kv.chat_requests()[-1].json()["messages"]
+        assert extends(follow, first)
+        assert follow[len(first) :] == loop[len(ask) :]
+    finally:
+        await engram.close()
+
+
+async def test_a_restart_lays_the_same_blocks_and_forgetting_takes_a_memory_out(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    engram = await start(kv, db)
+    messages: list[dict[str, Any]] = [
+        SYSTEM,
+        {"role": "user", "content": "What is the code of my garage door?"},
+    ]
+    try:
+        await tell_earlier(http, engram)
+        body, _ = await send(http, engram, messages)
+        before = kv.chat_requests()[-1].json()["messages"]
+        assert "4711" in forwarded_memory(before)
+        messages.append(body["choices"][0]["message"])
+        await settle(engram)
+        store = engram.app[SERVICES].store
+        turns = [
+            t for s in await store.list_sessions("alice") for t in await store.session_turns(s.id)
+        ]
+        recalled = next(t for t in turns if "4711" in t.content and t.role == "user")
+    finally:
+        await engram.close()
+    engram = await start(kv, db)  # another process on the same database
+    try:
+        messages.append({"role": "user", "content": "Fine. Tuesday I go running."})
+        body, _ = await send(http, engram, messages)
+        after = kv.chat_requests()[-1].json()["messages"]
+        assert extends(after, before)
+        messages.append(body["choices"][0]["message"])
+        await settle(engram)
+        async with http.delete(
+            f"{engram.url}/engram/api/turns/{recalled.id}", headers={"X-Engram-User": "alice"}
+        ) as r:
+            assert r.status == 200, await r.text()
+        messages.append({"role": "user", "content": "And on Wednesday I swim."})
+        await send(http, engram, messages)
+        forgotten = kv.chat_requests()[-1].json()["messages"]
+        assert "4711" not in forwarded_memory(forgotten)
+        assert BLOCK_OPEN not in json.dumps(forgotten[1])  # its block held only that memory
+    finally:
+        await engram.close()
