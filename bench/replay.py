@@ -271,6 +271,9 @@ class Figures:
     prefix_json: list[float] = field(default_factory=list)  # JSON of the message list
     rewritten: int = 0  # replay requests whose history was cut
     memories: list[int] = field(default_factory=list)  # memories injected per question
+    q_memory: list[int] = field(default_factory=list)  # memory tokens newly injected, per question
+    r_memories: list[int] = field(default_factory=list)  # … memories, per replay request
+    r_memory: list[int] = field(default_factory=list)  # … memory tokens, per replay request
     missed_rank: Counter[str] = field(default_factory=Counter)  # --diagnose: absent turns
     seconds: float = 0.0
 
@@ -292,6 +295,9 @@ class Figures:
             "prefix",
             "prefix_json",
             "memories",
+            "q_memory",
+            "r_memories",
+            "r_memory",
         ):
             getattr(self, name).extend(getattr(other, name))
         self.rewritten += other.rewritten
@@ -402,6 +408,8 @@ async def run_config(
                         forwarded, assembly = await send(conv, history, nxt, "on")
                         if assembly is not None and assembly.rewritten:
                             fig.rewritten += 1
+                        fig.r_memories.append(new_memories(assembly))
+                        fig.r_memory.append(assembly.memory_tokens if assembly else 0)
                         fig.r_forwarded.append(count(forwarded))
                         fig.r_full.append(count(history))
                         now = (rendered(forwarded), json.dumps(forwarded).encode())
@@ -429,8 +437,8 @@ async def run_config(
                         acc[1] += 1
                         fig.q_forwarded.append(count(forwarded))
                         fig.q_full.append(count(asked))
-                        refs = [r for p in assembly.parts for r in p.refs] if assembly else []
-                        fig.memories.append(len(refs))
+                        fig.memories.append(new_memories(assembly))
+                        fig.q_memory.append(assembly.memory_tokens if assembly else 0)
                         if diagnose and "absent" in zones:
                             window = [t for z, t in segs if z == "recency-window"]
 
@@ -471,6 +479,15 @@ def quantile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
+def new_memories(assembly: Any) -> int:
+    """Memories newly injected by the request (its own block's, not blocks laid again)."""
+    return len([r for p in assembly.parts for r in p.refs]) if assembly is not None else 0
+
+
+def mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
 def summary(fig: Figures) -> dict[str, Any]:
     ratios = [f / w for f, w in zip(fig.q_forwarded, fig.q_full, strict=True) if w]
     turns = fig.evidence_turns or 1
@@ -493,6 +510,8 @@ def summary(fig: Figures) -> dict[str, Any]:
             "ratio_total": sum(fig.q_forwarded) / max(1, sum(fig.q_full)),
         },
         "memories_median": statistics.median(fig.memories) if fig.memories else 0,
+        "memories_mean": mean(fig.memories),
+        "memory_tokens_mean": mean(fig.q_memory),
         "absent_rank": {b: fig.missed_rank[b] for b in RANK_BUCKETS} if fig.missed_rank else {},
         "replay": {
             "requests": len(fig.r_full),
@@ -506,7 +525,12 @@ def summary(fig: Figures) -> dict[str, Any]:
             "prefix_json_median": (
                 statistics.median(fig.prefix_json) if fig.prefix_json else float("nan")
             ),
+            "memories_mean": mean(fig.r_memories),
+            "memory_tokens_mean": mean(fig.r_memory),
+            "requests_with_memory": sum(1 for n in fig.r_memories if n)
+            / max(1, len(fig.r_memories)),
         },
+        "memory_tokens_mean_all": mean([*fig.r_memory, *fig.q_memory]),
         "seconds": round(fig.seconds, 1),
     }
 
@@ -560,8 +584,9 @@ def tables(runs: list[dict[str, Any]], per_conversation: bool) -> str:
         "Replay prompts (every request of the conversations, before the questions)",
         "",
         "| budget | mode | requests | history cut | forwarded tokens median / p95 "
-        "| full history median / p95 | prefix stability median (mean) | same, JSON messages |",
-        "|---|---|---|---|---|---|---|---|",
+        "| full history median / p95 | prefix stability median (mean) | same, JSON messages "
+        "| requests given memory | memories / request | memory tokens / request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         p = r["overall"]["replay"]
@@ -570,7 +595,23 @@ def tables(runs: list[dict[str, Any]], per_conversation: bool) -> str:
             f"| {p['forwarded_median']:.0f} / {p['forwarded_p95']:.0f} "
             f"| {p['full_median']:.0f} / {p['full_p95']:.0f} "
             f"| {p['prefix_median']:.3f} ({p['prefix_mean']:.3f}) "
-            f"| {p['prefix_json_median']:.3f} |"
+            f"| {p['prefix_json_median']:.3f} | {p['requests_with_memory']:.3f} "
+            f"| {p['memories_mean']:.2f} | {p['memory_tokens_mean']:.1f} |"
+        )
+    lines += [
+        "",
+        "Memory newly injected (each request's own block)",
+        "",
+        "| budget | mode | memories / question | memory tokens / question "
+        "| memory tokens / replay request | memory tokens / request, all |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        o = r["overall"]
+        lines.append(
+            f"| {r['budget']} | {r['mode']} | {o['memories_mean']:.2f} "
+            f"| {o['memory_tokens_mean']:.1f} | {o['replay']['memory_tokens_mean']:.1f} "
+            f"| {o['memory_tokens_mean_all']:.1f} |"
         )
     return "\n".join(lines)
 

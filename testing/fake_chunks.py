@@ -297,8 +297,18 @@ def words(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+", text) or [""]
 
 
+_ENGRAM_BLOCK = re.compile(r"<engram-(memory|summary)[^>]*>.*?</engram-\1[^>]*>\s*", re.S)
+
+
+def users_words(text: str) -> str:
+    """A user message's text without the blocks Engram lays before the user's words (memory,
+    summary): what the fakes' echo answers, as a model answers the user, not its notes."""
+    return _ENGRAM_BLOCK.sub("", text) if "<engram-" in text else text
+
+
 def last_user_text(messages: Any) -> str:
-    """The text of the last user message (chat ``messages`` or a Responses API ``input``)."""
+    """The words of the last user message (chat ``messages`` or a Responses API ``input``),
+    without Engram's blocks (:func:`users_words`): what the fakes echo."""
     if isinstance(messages, str):
         return messages
     for m in reversed(messages if isinstance(messages, list) else []):
@@ -310,7 +320,7 @@ def last_user_text(messages: Any) -> str:
                     for p in content
                     if isinstance(p, dict) and p.get("type") == "input_text"
                 ] or content
-            return text_of(content)
+            return users_words(text_of(content))
     return ""
 
 

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import re
 import signal
 import time
 from collections import deque
@@ -82,15 +81,6 @@ LLAMACPP_PREFLIGHT = {
     "Access-Control-Allow-Headers": "*",
 }
 MAX_BODY = 256 * 1024 * 1024
-
-
-_ENGRAM_BLOCK = re.compile(r"<engram-(memory|summary)[^>]*>.*?</engram-\1[^>]*>\s*", re.S)
-
-
-def users_words(text: str) -> str:
-    """A user message's text without the blocks Engram lays before the user's words (memory,
-    summary): what the fake's echo answers, as a model answers the user, not its notes."""
-    return _ENGRAM_BLOCK.sub("", text) if "<engram-" in text else text
 
 
 @dataclass
@@ -390,7 +380,7 @@ class FakeUpstream:
         )
         if (over := self.over_context(prompt_tokens, payload)) is not None:
             return over
-        text = self.reply_text(users_words(last_user_text(messages)))
+        text = self.reply_text(last_user_text(messages))
         model = str(payload.get("model") or self.model)
         usage = make_usage(self.prompt_tokens(prompt_tokens, payload), rough_tokens(text))
         report: dict[str, Any] = {}

@@ -54,7 +54,8 @@ class Engram:
 
 async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     """Engram on a free port with its own database in a temporary folder. Unless a test says
-    otherwise it uses the deterministic hash embedder (tests about memory use the real model), a
+    otherwise it uses the deterministic hash embedder (tests about memory use the real model;
+    with the hash embedder the relevance gate is off unless the test sets it), a
     recall deadline of 5 s (``limits.recall_deadline``), loopback clients may use the admin API
     without the token (``auth.loopback_admin``), and Engram's own upstream calls wait only while
     a request is in flight (``upstream.own_calls_idle = 0``)."""
@@ -74,6 +75,10 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
     }
     for name, values in sections.items():
         overrides.setdefault(name, {}).update(values)
+    if str(overrides["embedder"].get("model", "")).startswith("hash"):
+        # The relevance gate's cosine bars are calibrated on a real model's vectors; the hash
+        # embedder's (shared words only) mean nothing to it: off unless the test says.
+        overrides.setdefault("retrieval", {}).setdefault("gate", False)
     settings: Settings = load_settings(None, None, overrides)
     app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

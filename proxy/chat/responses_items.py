@@ -20,8 +20,9 @@ after the system text, a tool output swapped for its slot reference, a leading b
 message) is rebuilt from its items with only the content replaced; one Engram made (the memory
 block when there were no instructions, the summary) becomes new input. The system message goes
 back as ``instructions`` — the client's text first, byte-identical — with the leading
-system/developer items folded into it, so a strict chat template never sees a second system
-message because of Engram.
+system/developer items folded into it whenever Engram rewrites the request (whether or not it
+changed the system message, so every rewritten request of a conversation folds them alike), so a
+strict chat template never sees a second system message.
 """
 
 from __future__ import annotations
@@ -257,6 +258,11 @@ def encode_input(
     covered = {i for mark in by_mark for i in _indices(mark)}
     out: list[Item] = []
     instructions: str | None = None  # None: as sent
+    # Engram rewrote something: leading system items fold into the instructions (always alike,
+    # so every rewritten request of a conversation sends the same instructions).
+    rewritten = len(forwarded) != len(original) or any(
+        by_mark.get(m.get(MARK)) != m for m in forwarded
+    )
     for msg in forwarded:
         mark = msg.get(MARK)
         if not isinstance(mark, str):
@@ -268,7 +274,8 @@ def encode_input(
         same = by_mark.get(mark) == msg
         indices = _indices(mark)
         if mark.startswith("s"):
-            if same:
+            one = not indices or (len(indices) == 1 and not body.get("instructions"))
+            if same and (one or not rewritten):  # as sent
                 out += [items[i] for i in indices]
             else:  # the client's text first, then the leading items' and Engram's
                 instructions = system_text(msg)

@@ -23,7 +23,7 @@ from proxy.store.models import Turn
 from testing.fake_anthropic import anthropic_events, anthropic_message, without_messages_api
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply, RecordedRequest, StreamReply
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, forwarded_memory, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
@@ -58,6 +58,15 @@ async def engram(strict: FakeUpstream) -> AsyncIterator[Engram]:
 @pytest_asyncio.fixture
 async def real(strict: FakeUpstream) -> AsyncIterator[Engram]:
     e = await start_engram(strict.url, embedder=REAL_MODEL)
+    try:
+        yield e
+    finally:
+        await e.close()
+
+
+@pytest_asyncio.fixture
+async def real_zones(strict: FakeUpstream) -> AsyncIterator[Engram]:
+    e = await start_engram(strict.url, embedder=REAL_MODEL, prompt={"mode": "zones"})
     try:
         yield e
     finally:
@@ -207,9 +216,45 @@ async def test_tool_use_plain_and_streamed_then_its_result_continues_the_session
 # --- memory --------------------------------------------------------------------------------------
 
 
-async def test_a_fact_is_recalled_into_system_after_the_clients_own_text(
+async def test_a_fact_is_recalled_before_the_question_the_system_as_sent(
     real: Engram, strict: FakeUpstream
 ) -> None:
+    """The default (prompt.mode stable): the memory is a text block leading the new user
+    message; the system and every earlier message go as sent, cache_control where it was."""
+    async with sdk(real, "alice") as c:
+        await c.messages.create(model=MODEL, max_tokens=32, messages=[user(FACT)])
+        await settle(real)
+        question = {
+            "role": "user",
+            "content": [
+                {
+                    "type": "text",
+                    "text": "Where does my sister live, and what cats does she breed?",
+                    "cache_control": {"type": "ephemeral"},
+                }
+            ],
+        }
+        r = await c.messages.with_raw_response.create(
+            model=MODEL,
+            max_tokens=32,
+            system="You are a helpful assistant.",
+            messages=[question],  # type: ignore[list-item]
+        )
+        assert int(r.headers["X-Engram-Memories"].split(";")[0]) >= 1
+        body = last_body(strict)
+        assert body["system"] == "You are a helpful assistant."
+        [sent_question] = body["messages"]
+        memory, *rest = sent_question["content"]
+        assert memory["type"] == "text" and memory["text"].startswith(BLOCK_OPEN)
+        assert "Porto" in memory["text"] and "cache_control" not in memory
+        assert rest == question["content"]  # the client's block, its breakpoint unmoved
+
+
+async def test_a_fact_is_recalled_into_system_after_the_clients_own_text(
+    real_zones: Engram, strict: FakeUpstream
+) -> None:
+    """prompt.mode zones: the memory follows the client's system text."""
+    real = real_zones
     async with sdk(real, "alice") as c:
         await c.messages.create(model=MODEL, max_tokens=32, messages=[user(FACT)])
         await settle(real)
@@ -262,7 +307,7 @@ async def test_memory_is_shared_across_apis(
         await c.messages.create(
             model=MODEL, max_tokens=32, system="S.", messages=[user("What bicycle do I ride?")]
         )
-        assert "Brompton" in last_body(strict)["system"]
+        assert "Brompton" in forwarded_memory(last_body(strict)["messages"])
         await c.messages.create(
             model=MODEL, max_tokens=32, messages=[user("I keep bees on a rooftop in Ghent.")]
         )
@@ -275,7 +320,8 @@ async def test_memory_is_shared_across_apis(
             ],
         )
         forwarded = strict.chat_requests()[-1].json()["messages"]
-        assert forwarded[0]["role"] == "system" and "Ghent" in forwarded[0]["content"]
+        assert forwarded[0] == {"role": "system", "content": "S."}
+        assert "Ghent" in forwarded_memory(forwarded)
     stored = await turns_of(real, "carol")
     assert {t.api for t in stored} == {"openai-chat", "anthropic-messages"}
 
@@ -311,9 +357,12 @@ async def test_thinking_cache_control_and_role_system_messages_with_memory(
         ]
         await c.messages.create(model=MODEL, max_tokens=32, system="Sys.", messages=messages)  # type: ignore[arg-type]
     body = last_body(strict)  # the strict template accepted it: one system message
-    assert body["messages"] == [messages[0], assistant, question]
-    assert body["system"].startswith("Sys.\n\nAvailable agents: none.\n\n" + BLOCK_OPEN)
-    assert "Porto" in body["system"]
+    assert body["system"] == "Sys.\n\nAvailable agents: none."
+    first, kept, asked = body["messages"]
+    assert [first, kept] == [messages[0], assistant]  # thinking and its signature as sent
+    memory, *rest = asked["content"]
+    assert memory["text"].startswith(BLOCK_OPEN) and "Porto" in memory["text"]
+    assert rest == question["content"]  # cache_control stays on the client's block
 
 
 async def test_a_long_old_tool_result_becomes_a_slot_reference(

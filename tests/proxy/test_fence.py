@@ -17,8 +17,8 @@ from proxy.background.items import add_item
 from proxy.services import SERVICES
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply
-from testing.harness import Engram, settle, start_engram
-from testing.injection import CORPUS, block_lines, fence_violations, find_block, texts
+from testing.harness import Engram, forwarded_memory, settle, start_engram
+from testing.injection import CORPUS, block_lines, fence_violations, find_block
 
 pytestmark = pytest.mark.asyncio
 
@@ -179,8 +179,8 @@ async def test_tool_outputs_are_not_recalled_by_default(
 
 
 def fake_system(fake: FakeUpstream) -> str:
-    msgs = fake.chat_requests()[-1].json()["messages"]
-    return "\n".join(texts(msgs[0])) if msgs[0]["role"] == "system" else ""
+    """The memory blocks of the last forwarded request, wherever the mode lays them."""
+    return forwarded_memory(fake.chat_requests()[-1].json()["messages"])
 
 
 async def test_handbacks_and_facts_are_marked_derived(

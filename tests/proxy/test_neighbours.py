@@ -14,8 +14,9 @@ from proxy.chat.fence import BLOCK_OPEN
 from proxy.services import SERVICES
 from proxy.store.queries import turns_at
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram, settle, start_engram
-from tests.proxy.test_memory import SYSTEM, chat, forwarded_system
+from testing.harness import Engram, forwarded_memory, settle, start_engram
+from tests.proxy.test_memory import SYSTEM, chat
+from tests.proxy.test_memory import forwarded_block as forwarded_system
 
 pytestmark = pytest.mark.asyncio
 
@@ -83,7 +84,7 @@ async def test_neighbour_already_in_the_window_is_not_injected(
         http, near, [SYSTEM, {"role": "user", "content": "hello"}, answer, QUESTION], user="alice"
     )
     sent = fake.chat_requests()[-1].json()["messages"]
-    assert "Biscuit" in sent[0]["content"] and ANSWER not in sent[0]["content"]
+    assert "Biscuit" in forwarded_memory(sent) and ANSWER not in forwarded_memory(sent)
     assert sum(ANSWER in m["content"] for m in sent) == 1  # the client's own copy only
     assert r.headers["X-Engram-Memories"] == "1"
 

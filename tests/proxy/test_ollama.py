@@ -31,7 +31,7 @@ from testing.fake_ollama import (
     violations,
 )
 from testing.fake_upstream import FakeUpstream, RecordedRequest, StreamReply
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, forwarded_memory, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
@@ -207,7 +207,7 @@ async def test_tool_use_round_trip_forwards_the_clients_calls_as_sent(
     assert turns[3].tool_call_id == turns[2].tool_calls[0]["id"]  # type: ignore[index]
 
 
-async def test_fact_told_via_ollama_is_recalled_in_the_system_message(
+async def test_fact_told_via_ollama_is_recalled_before_the_question(
     real: Engram, fake: FakeUpstream, client: Client
 ) -> None:
     c = client(real, "dana")
@@ -216,14 +216,16 @@ async def test_fact_told_via_ollama_is_recalled_in_the_system_message(
     await settle(real)
     question = {"role": "user", "content": "Which cat breed does my sister raise?"}
     await c.chat(model="m", messages=[SYSTEM, question])
-    system = system_text(sent(fake))
-    assert system.startswith(SYSTEM["content"] + "\n\n")  # the client's text, byte-identical
-    assert BLOCK_OPEN in system and "Siamese" in system
-    # No system message sent: one is made, first, holding only the memory block.
-    await c.chat(model="m", messages=[question], stream=True)
     msgs = sent(fake).json()["messages"]
-    assert [m["role"] for m in msgs] == ["system", "user"] and "Siamese" in msgs[0]["content"]
-    assert msgs[1] == question
+    assert msgs[0] == SYSTEM  # the client's system message, byte-identical
+    asked = msgs[-1]["content"]  # Ollama's content is a string: the block, then the question
+    assert asked.startswith(BLOCK_OPEN) and asked.endswith("\n\n" + question["content"])
+    assert "Siamese" in asked
+    # No system message sent: none is made.
+    parts = [p async for p in await c.chat(model="m", messages=[question], stream=True)]
+    assert parts and parts[-1].done
+    msgs = sent(fake).json()["messages"]
+    assert [m["role"] for m in msgs] == ["user"] and "Siamese" in msgs[0]["content"]
     # Another user asks: nothing of dana's.
     await client(real, "erik").chat(model="m", messages=[SYSTEM, question])
     assert "Siamese" not in sent(fake).body.decode()
@@ -245,7 +247,7 @@ async def test_memory_crosses_apis_both_ways(
     await settle(real)
     c = client(real, "fay")
     await c.chat(model="m", messages=[{"role": "user", "content": "Where is my boat moored?"}])
-    assert "Albatross" in system_text(sent(fake))
+    assert "Albatross" in forwarded_memory(sent(fake).json()["messages"])
     await c.chat(
         model="m", messages=[{"role": "user", "content": "My piano teacher is named Ottoline."}]
     )
@@ -254,7 +256,7 @@ async def test_memory_crosses_apis_both_ways(
         model="m", messages=[{"role": "user", "content": "What is my piano teacher's name?"}]
     )
     forwarded = fake.chat_requests()[-1].json()["messages"]
-    assert forwarded[0]["role"] == "system" and "Ottoline" in forwarded[0]["content"]
+    assert "Ottoline" in forwarded_memory(forwarded)
     await oa.close()
     apis = {t.api for t in await turns_of(real, "fay")}
     assert apis == {"openai-chat", "ollama-chat"}
@@ -294,7 +296,9 @@ async def test_num_ctx_is_the_budget(fake: FakeUpstream, client: Client) -> None
         history.append({"role": "user", "content": "and the last one?"})
         c = client(engram, "gus")
         await c.chat(model="m", messages=history)
-        assert len(sent(fake).json()["messages"]) == len(history)  # fits 4096: sent whole
+        assert engram.turns[-1].memory is not None
+        wide = engram.turns[-1].memory.budget
+        assert wide is not None and 2048 < wide < 4096  # the model's 4096 (/api/show)
         await c.chat(model="m", messages=history, options={"num_ctx": 1024})
         cut = sent(fake).json()
         assert cut["options"] == {"num_ctx": 1024}  # the client's options, as sent

@@ -21,7 +21,7 @@ from proxy.store.models import Turn
 from testing.fake_chunks import template_violations
 from testing.fake_responses import events, function_call_response
 from testing.fake_upstream import FakeUpstream, JsonReply, StreamReply
-from testing.harness import Engram, settle, start_engram, turns_as_sent
+from testing.harness import Engram, forwarded_memory, settle, start_engram, turns_as_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -225,17 +225,18 @@ async def test_a_fact_told_in_chat_is_recalled_in_responses_instructions_and_bac
     await client.responses.create(
         model="m", instructions="You are helpful.", input="What does my sister Marta breed?"
     )
-    instructions = forwarded(strict)["instructions"]
-    assert instructions.startswith("You are helpful.\n\n" + BLOCK_OPEN)
-    assert "Siamese cats in Porto" in instructions
+    fwd = forwarded(strict)
+    assert fwd["instructions"] == "You are helpful."  # as sent: the memory leads the question
+    assert "Siamese cats in Porto" in json.dumps(fwd["input"])
     # … and the other way: told through Responses, recalled in a chat completion's system.
     await client.responses.create(model="m", input="My bicycle is a green Gazelle from 1987.")
     await settle(real)
     await chat.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Which bicycle do I ride?"}]
     )
-    system = strict.chat_requests()[-1].json()["messages"][0]
-    assert system["role"] == "system" and "green Gazelle from 1987" in system["content"]
+    assert "green Gazelle from 1987" in forwarded_memory(
+        strict.chat_requests()[-1].json()["messages"]
+    )
     # Another user sees none of it.
     await sdk(real, "bob").responses.create(model="m", input="What does my sister breed?")
     assert "instructions" not in forwarded(strict)
@@ -263,11 +264,12 @@ async def test_memory_lands_in_instructions_so_a_strict_template_sees_one_system
         assert r.status == 200, await r.text()
         assert r.headers["X-Engram-Memories"] != "0"
     fwd = forwarded(strict)
-    assert fwd["instructions"].startswith(
-        "You are a coding agent.\n\nSandbox: workspace-write.\n\n" + BLOCK_OPEN
-    )
-    assert "teapot" in fwd["instructions"]
-    assert fwd["input"] == body["input"][1:]
+    # the leading developer item folded into the instructions, the memory before the question
+    assert fwd["instructions"] == "You are a coding agent.\n\nSandbox: workspace-write."
+    [asked] = fwd["input"]
+    assert asked["role"] == "user" and "teapot" in json.dumps(asked["content"])
+    assert asked["content"][0]["text"].startswith(BLOCK_OPEN)
+    assert asked["content"][-1]["text"] == "What is the office wifi password hint?"
 
 
 async def test_memory_off_is_a_byte_identical_pass_through(
@@ -321,7 +323,10 @@ async def test_previous_response_id_is_forwarded_and_only_new_items_archived(
     )
     assert second.output_text == "echo: Which number?"
     fwd = forwarded(strict)
-    assert fwd["previous_response_id"] == first.id and fwd["input"] == "Which number?"
+    assert fwd["previous_response_id"] == first.id
+    assert fwd["input"] == "Which number?" or (  # (a memory block may lead the question)
+        fwd["input"].startswith(BLOCK_OPEN) and fwd["input"].endswith("\n\nWhich number?")
+    )
     await settle(engram)
     stored = [roles(t) for t in (await turns_of(engram, "alice")).values()]
     everything = [pair for turns in stored for pair in turns]

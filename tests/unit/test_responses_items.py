@@ -134,12 +134,15 @@ def test_changed_messages_are_rebuilt_with_only_their_content_replaced() -> None
     msgs[3] = {**msgs[3], "content": "[TOOL_RESULT:abc] w output"}  # a slot reference
     msgs[1] = with_leading_text(msgs[1], "<summary>")
     out = json.loads(api.encode(conv, msgs))
-    assert out["input"][4] == {**AGENT_INPUT[4], "output": "[TOOL_RESULT:abc] w output"}
-    assert out["input"][1]["content"] == [
+    # A rewritten request folds the leading developer item into the instructions (one system
+    # message for a strict template), whether or not the system message changed.
+    assert out["instructions"] == "Be brief.\n\nSandbox: read-only."
+    assert out["input"][3] == {**AGENT_INPUT[4], "output": "[TOOL_RESULT:abc] w output"}
+    assert out["input"][0]["content"] == [
         {"type": "input_text", "text": "<summary>\n\n"},
         *AGENT_INPUT[1]["content"],
     ]
-    assert out["instructions"] == "Be brief." and out["input"][0] == AGENT_INPUT[0]
+    assert template_violations(chat_messages(out)) == []
     # A string input stays a string.
     conv = parse({"input": "hello"}, api)
     out = json.loads(api.encode(conv, [with_leading_text(conv.messages[0], "<m>")]))
@@ -151,8 +154,8 @@ def test_a_cut_window_drops_the_items_of_the_messages_left_out() -> None:
     conv = parse(BODY, api)
     summary = {"role": "user", "content": "<summary>"}
     out = json.loads(api.encode(conv, [conv.messages[0], summary, *conv.messages[4:]]))
+    assert out["instructions"] == "Be brief.\n\nSandbox: read-only."
     assert out["input"] == [
-        AGENT_INPUT[0],
         {"type": "message", "role": "user", "content": "<summary>"},
         *AGENT_INPUT[5:],
     ]
