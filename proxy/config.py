@@ -571,6 +571,15 @@ class SlotsSettings:
     min_tokens: int = opt(
         500, "Tool outputs longer than this many tokens are replaced by a reference.", min=1
     )
+    replace: str = opt(
+        "when-full",
+        "when-full: replace outputs only once the conversation fills prompt.whole_share of the "
+        "budget (then every old one at once, and from then on). Until then the model server's "
+        "cache holds them: swapping one for a reference makes it recompute everything after "
+        "it (measured on an agent loop through llama-server: 4.5x the tokens of that request). "
+        "always: at every request, whatever the room (with the context size unknown, always).",
+        choices=("when-full", "always"),
+    )
     keep_recent: str = opt(
         "exchange",
         "Which tool outputs stay raw: 'exchange' (everything after the last user message), "

@@ -4,11 +4,12 @@ A model server reuses the longest prefix the new prompt shares with the last one
 of memories made for a user message goes before that message's words and stays there: every
 later request of the conversation lays the same block before the same message again, byte for
 byte, and only the new message gets a new block (DESIGN.md, invariant 4). What was laid is kept
-in the database (:mod:`proxy.store.blocks`: the memories' ids, by the message's chain hash), so
-a restart, another worker or another replica lays it the same way, and so does a conversation
-the client edited or regenerated further on. The block is rendered again from the turns with
-the tag of the session that laid it (the fence secret is shared by every process on the
-database), so a memory forgotten or muted since is left out of it.
+in the database (:mod:`proxy.store.blocks`: the memories' ids, by the message's chain hash and
+the session), so a restart, another worker or another replica lays it the same way, and so does
+a conversation the client edited or regenerated further on (for the messages it shares). The
+block is rendered again from the turns with the tag of the session that laid it (the fence
+secret is shared by every process on the database), so a memory forgotten or muted since is left
+out of it.
 
 The same record answers the same message again: an agent's tool loop (each follow-up request
 ends with the same user message) and a regenerated reply get exactly the block the first request
@@ -50,16 +51,26 @@ class Layer:
         self.recall = recall
 
     async def read(
-        self, user: str, keys: Mapping[int, str], current: int | None, secret: bytes
+        self,
+        user: str,
+        keys: Mapping[int, str],
+        current: int | None,
+        secret: bytes,
+        session: str | None,
+        anchor: int | None,
     ) -> Laid:
-        """The user's records for these messages (index -> chain hash), rendered again."""
+        """The records of these messages (index -> chain hash), rendered again: the session's
+        own, else (a conversation forked from another: edited or regenerated further on) the
+        first one made, but only for messages after the first reply (``anchor``: how many
+        messages run through it): two conversations may open alike, and a new conversation's
+        opening message is decided afresh."""
         laid = Laid(current=current, current_key=keys.get(current) if current is not None else None)
         if not keys:
             return laid
 
-        def read(c: Any) -> tuple[dict[str, Record], list[Turn]]:
+        def read(c: Any) -> tuple[dict[str, list[Record]], list[Turn]]:
             records = blocks_of(c, user, list(keys.values()))
-            wanted = sorted({i for r in records.values() for i in r.ids})
+            wanted = sorted({i for rs in records.values() for r in rs for i in r.ids})
             return records, get_turns(c, wanted, user) if wanted else []
 
         records, turns = await self.store.read(read)
@@ -68,7 +79,10 @@ class Layer:
         by_id = {t.id: t for t in turns}
         repeated = await self.recall.repeated(user, turns)
         for index, key in keys.items():
-            record = records.get(key)
+            found = records.get(key, [])
+            own = [r for r in found if r.session_id == session]
+            shared = anchor is not None and index >= anchor
+            record = own[0] if own else found[0] if found and shared else None
             if record is None:
                 continue
             memories = [

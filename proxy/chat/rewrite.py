@@ -36,7 +36,7 @@ from proxy.chat.prompt import (
 from proxy.chat.recall import Recall
 from proxy.chat.turn import Laid, MemoryTurn
 from proxy.config import Settings
-from proxy.messages import content_text
+from proxy.messages import anchor_length, content_text
 from proxy.redact import Redactor
 from proxy.slots.refs import TOOL_ROLES, Candidate, references
 from proxy.slots.refs import apply as apply_slots
@@ -121,7 +121,9 @@ class Rewriter:
         mt.budget = budget
         sizes = await self.message_sizes(mt)
         model = mt.model
-        view = mt.view = await self.slot_view(mt)
+        full = budget is None or sum(sizes.values()) > s.prompt.whole_share * budget
+        swap = full or s.slots.replace == "always"  # (slots.replace: the prefix holds till full)
+        view = mt.view = await self.slot_view(mt) if swap else mt.messages
         if view is not mt.messages:  # the references, counted once (the assembler asks often)
             factor = self.tokens.factor(model)
             for m in view:
@@ -226,7 +228,15 @@ class Rewriter:
         first = 1 if view and is_system(view[0]) else 0
         current = last_user_index(view, current_start(view, first))
         keys = user_chains(mt.messages, mt.chains)
-        return await self.layer.read(mt.identity.user, keys, current, self.fence_secret)
+        session = mt.placement.session.id if mt.placement is not None else None
+        return await self.layer.read(
+            mt.identity.user,
+            keys,
+            current,
+            self.fence_secret,
+            session,
+            anchor_length(mt.messages),
+        )
 
     def tag(self, mt: MemoryTurn) -> str:
         """The memory block's tag for this request's conversation (:func:`block_tag`); a block

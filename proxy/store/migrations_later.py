@@ -284,7 +284,7 @@ PROMPT_BLOCKS_SQL = """
             session_id TEXT NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
             turn_ids TEXT NOT NULL,
             created_at REAL NOT NULL,
-            PRIMARY KEY (user_id, chain)
+            PRIMARY KEY (user_id, chain, session_id)
         ) WITHOUT ROWID;
         CREATE INDEX prompt_blocks_session ON prompt_blocks(session_id);
         """

@@ -54,7 +54,7 @@ PLAN: tuple[Table, ...] = (
     Table("sessions", ("level", "id")),  # a parent's level is below its children's
     Table("turns", ("id",)),
     Table("summaries", ("session_id",)),
-    Table("prompt_blocks", ("user_id", "chain")),
+    Table("prompt_blocks", ("user_id", "chain", "session_id")),
     Table("requests", ("id",)),
     Table("feedback", ("id",)),
     Table("consolidation_queue", ("request_id",)),

@@ -13,13 +13,14 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from proxy.chat.fence import BLOCK_OPEN
 from proxy.services import SERVICES
 from proxy.store.db import Connection
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, embed_text
 from proxy.store.naming import create_named, facts_session_name
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, forwarded_memory, settle, start_engram
 from tests.proxy.test_auth import bearer, db_of, keyed_engram, make_key
 from tests.proxy.test_forget import found, rows_holding
 
@@ -51,9 +52,15 @@ class Client:
         ) as r:
             assert r.status == 200, await r.text()
         await settle(self.e)
-        *added, last = self.fake.chat_requests()[-1].json()["messages"]
-        assert last == {"role": "user", "content": text}
-        return str(added)
+        messages = self.fake.chat_requests()[-1].json()["messages"]
+        last = messages[-1]
+        if isinstance(last["content"], list):  # the memory block leads the user's words
+            *block, words = last["content"]
+            assert words == {"type": "text", "text": text}
+            assert all(BLOCK_OPEN in part["text"] for part in block)
+        else:
+            assert last == {"role": "user", "content": text}
+        return forwarded_memory(messages)
 
     async def call(
         self, method: str, path: str, body: Any = None, raw: bytes | None = None, **params: str

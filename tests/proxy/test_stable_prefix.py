@@ -166,12 +166,19 @@ async def test_a_tool_loop_and_a_regenerated_reply_get_the_same_block(
                 "function": {"name": "calendar", "parameters": {"type": "object"}},
             }
         ]
-        ask = [SYSTEM, {"role": "user", "content": "When do I fly to Kyoto with Jonas?"}]
+        opening = [SYSTEM, {"role": "user", "content": "Let's sort out my travel plans."}]
+        body, _ = await send(http, engram, opening, tools=tools)
+        await settle(engram)
+        ask = [
+            *opening,
+            body["choices"][0]["message"],
+            {"role": "user", "content": "When do I fly to Kyoto with Jonas?"},
+        ]
         _, r1 = await send(http, engram, ask, tools=tools)
         first = kv.chat_requests()[-1].json()["messages"]
         assert "Kyoto" in forwarded_memory(first)
         await settle(engram)
-        # regenerate: the same request again, the same prompt byte for byte, searched no more
+        # regenerate (the conversation forks there): the same prompt byte for byte, no search
         _, r2 = await send(http, engram, ask, tools=tools)
         assert kv.chat_requests()[-1].json()["messages"] == first
         assert r2.headers["X-Engram-Memories"] == r1.headers["X-Engram-Memories"]

@@ -28,7 +28,7 @@ def prompt_blocks_sql(dim: int = 384) -> list[str]:
             session_id text NOT NULL REFERENCES sessions(id) ON DELETE CASCADE,
             turn_ids   text NOT NULL,
             created_at double precision NOT NULL,
-            PRIMARY KEY (user_id, chain)
+            PRIMARY KEY (user_id, chain, session_id)
         )"""
         ),
         "CREATE INDEX prompt_blocks_session ON prompt_blocks(session_id)",
