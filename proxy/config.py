@@ -414,6 +414,13 @@ class RetrievalSettings:
         min=0,
         max=1,
     )
+    gate_statement_top: int = opt(
+        3,
+        "Gate: the most memories a message that is not a question gets (a question gets up to "
+        "top_k).",
+        min=0,
+        max=100,
+    )
     gate_min_words: int = opt(
         2,
         "Gate: content words (not stop words, greetings or thanks) a memory must hold: a bare "

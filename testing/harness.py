@@ -79,6 +79,10 @@ async def start_engram(upstream_url: str, **sections: dict[str, Any]) -> Engram:
         # The relevance gate's cosine bars are calibrated on a real model's vectors; the hash
         # embedder's (shared words only) mean nothing to it: off unless the test says.
         overrides.setdefault("retrieval", {}).setdefault("gate", False)
+    # Tests of tool-result slots hold small conversations, far from any context budget: their
+    # outputs become references at once (the default waits until the prompt fills,
+    # slots.replace; tests/proxy/test_stable_prefix.py tests that) unless the test says.
+    overrides.setdefault("slots", {}).setdefault("replace", "always")
     settings: Settings = load_settings(None, None, overrides)
     app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)

@@ -17,7 +17,9 @@ reads what is absolute beside the ranks and keeps a hit only when:
   hit over ``question_cosine`` goes, whatever its rank (on LoCoMo, where every message is a
   question, the evidence a top 20 holds sits anywhere in it); any other message (a statement,
   an instruction, small talk) takes only what is close to it, ``min_cosine``, and near the best
-  hit: a fused score at least ``min_share`` of the best one's;
+  hit: a fused score at least ``min_share`` of the best one's, at most ``statement_top`` of them
+  (in mode ``stable`` each block stays in the prompt: a chat of statements must not fill its
+  window with memories);
 - a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
   ``assistant_extra`` more cosine on each of those bars.
 
@@ -108,6 +110,7 @@ class GateSettings:
     cosine_alone: float = 0.5
     assistant_extra: float = 0.03
     min_words: int = 2
+    statement_top: int = 3
 
     @classmethod
     def of(cls, retrieval: Any) -> GateSettings:
@@ -120,6 +123,7 @@ class GateSettings:
             retrieval.gate_cosine_alone,
             retrieval.gate_assistant_extra,
             retrieval.gate_min_words,
+            retrieval.gate_statement_top,
         )
 
 
@@ -160,4 +164,4 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             ok = h.cosine >= bar + extra
         if ok:
             out.append(i)
-    return out
+    return out if query.question else out[: g.statement_top]

@@ -12,7 +12,7 @@ from proxy.background.facts import INSTRUCTIONS, Fact, parse_facts
 from proxy.services import SERVICES
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, forwarded_memory, settle, start_engram
 
 SISTER = "My sister Ilse moved to Tromso in March 2023, she works at the aquarium there."
 FACT = '{"subject": "Ilse", "fact": "the user\'s sister Ilse lives in Tromso", "time": "2023-03"}'
@@ -134,7 +134,7 @@ async def test_facts_are_stored_deduplicated_and_found(
         }
         # A later request of another conversation is given the fact.
         await chat(http, e, "Does Ilse live in Tromso?", **{"X-Engram-Session": "later"})
-        system = fake.chat_requests()[-1].json()["messages"][0]["content"]
+        system = forwarded_memory(fake.chat_requests()[-1].json()["messages"])
         assert (
             'derived: fact about Ilse: "the user\'s sister Ilse lives in Tromso (2023-03)"'
             in system
@@ -283,7 +283,7 @@ async def test_subagent_facts_stay_in_the_subagent(
         await chat(http, e, "what is the vault code 4417?", **{"X-Engram-Session": top})
         assert "fact about vault" not in json.dumps(fake.chat_requests()[-1].json())
         await chat(http, e, "the vault code again?", **kid)
-        system = fake.chat_requests()[-1].json()["messages"][0]["content"]
+        system = forwarded_memory(fake.chat_requests()[-1].json()["messages"])
         assert 'derived: fact about vault: "the vault code is 4417"' in system
     finally:
         await e.close()

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from proxy.services import SERVICES
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram, start_engram
+from testing.harness import Engram, forwarded_memory, start_engram
 
 MARKER = re.compile(r"zq\d+x\d+zq")
 EXAMPLES = 100
@@ -167,9 +167,7 @@ class Harness:
             for r in self.fake.chat_requests()
             if nonce in json.dumps(r.json()["messages"][-1])
         ]
-        injected = " ".join(
-            str(m.get("content")) for m in sent["messages"] if m.get("role") == "system"
-        )
+        injected = forwarded_memory(sent["messages"])  # every block, wherever it is laid
         return set(MARKER.findall(injected))
 
     async def run(self, nodes: list[Node]) -> None:

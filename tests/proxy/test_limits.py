@@ -29,7 +29,7 @@ from proxy.store import indexing
 from proxy.store.quota import user_turn_count
 from testing.conversations import WORDS, long_conversation
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram, settle, start_engram, turns_as_sent
+from testing.harness import Engram, forwarded_memory, settle, start_engram, turns_as_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -381,7 +381,7 @@ async def test_recall_past_its_deadline_goes_fts_only_then_without(
         assert status == 200
         count, why = memories(headers)
         assert why == "fts-only" and count >= 1
-        assert "Siamese" in fake.chat_requests()[-1].json()["messages"][0]["content"]
+        assert "Siamese" in forwarded_memory(fake.chat_requests()[-1].json()["messages"])
         await asyncio.gather(busy, return_exceptions=True)
     finally:
         await engram.close()

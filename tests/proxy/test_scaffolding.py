@@ -20,7 +20,7 @@ from testing.fake_anthropic import anthropic_message
 from testing.fake_chunks import chat_completion
 from testing.fake_responses import message_item, response
 from testing.fake_upstream import FakeUpstream, JsonReply
-from testing.harness import Engram, settle, start_engram, turns_as_sent
+from testing.harness import Engram, forwarded_memory, settle, start_engram, turns_as_sent
 
 pytestmark = pytest.mark.asyncio
 
@@ -150,8 +150,7 @@ async def test_claude_codes_scaffolding_is_stored_once_and_never_recalled(
         assert turns[0].content == "" and turns[2].content == ""
         assert turns[1].content in ("My cat is called Zorblax.", "What is my cat called?")
     # The fact is recalled; the reminder, the agent list and the environment never are.
-    system = last_system(big)
-    block = system[system.index("<engram-memory") :]
+    block = forwarded_memory(json.loads(big.requests[-1].body)["messages"])
     assert "Zorblax" in block
     assert "Attribution" not in block and "agent3" not in block and "/home/me" not in block
     # Nothing is lost: the archive gives every message back as it was sent.

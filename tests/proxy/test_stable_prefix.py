@@ -247,3 +247,46 @@ async def test_a_restart_lays_the_same_blocks_and_forgetting_takes_a_memory_out(
         assert BLOCK_OPEN not in json.dumps(forgotten[1])  # its block held only that memory
     finally:
         await engram.close()
+
+
+async def test_tool_outputs_stay_raw_until_the_prompt_fills_then_go_at_once(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    """slots.replace = when-full (the default): an agent loop's bulky outputs stay as sent while
+    the conversation fits (each request extends the last), and become references all at once
+    when it no longer does."""
+    kv.n_ctx = 4096
+    engram = await start(kv, db, slots={"replace": "when-full", "min_tokens": 200})
+    try:
+        messages: list[dict[str, Any]] = [
+            SYSTEM,
+            {"role": "user", "content": "Read the files and tell me what they do."},
+        ]
+        sent: list[list[dict[str, Any]]] = []
+        for i in range(12):
+            call = {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": f"f{i}.py"})},
+            }
+            listing = "\n".join(f"def f_{i}_{n}(x): return x * {n}" for n in range(60))
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": f"call_{i}", "content": listing},
+            ]
+            await send(http, engram, messages)
+            sent.append(kv.chat_requests()[-1].json()["messages"])
+            await settle(engram)
+            if i % 3 == 2:  # a new user turn now and then: earlier outputs become old
+                messages += [
+                    {"role": "assistant", "content": f"Read {i + 1} files."},
+                    {"role": "user", "content": "Go on with the next ones."},
+                ]
+        refs = ["[TOOL_RESULT:" in json.dumps(s) for s in sent]
+        assert not refs[0] and refs[-1], refs  # raw at first, references once full
+        first = refs.index(True)
+        assert all(refs[first:]), refs  # and from then on
+        for a, b in itertools.pairwise(sent[:first]):
+            assert extends(b, a)  # until then, each request extended the last
+    finally:
+        await engram.close()

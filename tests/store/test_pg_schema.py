@@ -22,6 +22,7 @@ import pytest
 from proxy.store.db import Connection, connect
 from proxy.store.fts_sql import date_sql, fts_reindex_sql
 from proxy.store.migrations import migrate
+from proxy.store.pg.migrate import MIGRATIONS
 from proxy.store.pg.schema import SCHEMA_VERSION, schema_sql
 from testing.postgres import PostgresError, PostgresServer, postgres_server
 
@@ -47,8 +48,9 @@ def new_database(server: PostgresServer, dim: int = 384) -> PgConn:
         admin.execute(f"CREATE DATABASE {name}")
     conn = psycopg.connect(server.url.rsplit("/", 1)[0] + "/" + name, autocommit=True)
     with conn.transaction():
-        for statement in schema_sql(dim):
-            conn.execute(statement)
+        for _, statements in MIGRATIONS:  # every migration's statements, in order
+            for statement in statements(dim):
+                conn.execute(statement)
     return conn
 
 
