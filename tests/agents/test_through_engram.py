@@ -26,7 +26,7 @@ from proxy.chat.turn import ChatTurn
 from proxy.services import SERVICES
 from testing.agents import Agents, make_home, run_claude, run_codex, run_opencode
 from testing.fake_upstream import FakeUpstream
-from testing.harness import Engram, settle, start_engram
+from testing.harness import Engram, forwarded_memory, settle, start_engram
 
 pytestmark = pytest.mark.asyncio
 
@@ -116,9 +116,9 @@ async def test_claude_code_recalls_a_fact_and_never_its_scaffolding(
     run = await run_claude(engram.url, QUESTION, home=home, cwd=work, model=MODEL, agents=agents)
     assert run.ok, run.report()
     assert memories(engram.turns[-1]) >= 1
-    system = json.dumps(sent(big, "/v1/messages")[-1]["system"])
-    assert "Zorblax" in system
-    assert_no_scaffolding_recalled(system)
+    recalled = forwarded_memory(sent(big, "/v1/messages")[-1]["messages"])
+    assert "Zorblax" in recalled
+    assert_no_scaffolding_recalled(recalled)
     # --continue: every message Claude Code sent reaches the model.
     run = await run_claude(
         engram.url, "And what colour is she?", home=home, cwd=work, model=MODEL,
