@@ -58,12 +58,14 @@ class Layer:
         secret: bytes,
         session: str | None,
         anchor: int | None,
+        last: int,
     ) -> Laid:
         """The records of these messages (index -> chain hash), rendered again: the session's
-        own, else (a conversation forked from another: edited or regenerated further on) the
-        first one made, but only for messages after the first reply (``anchor``: how many
-        messages run through it): two conversations may open alike, and a new conversation's
-        opening message is decided afresh."""
+        own, else (a conversation forked from another: edited or regenerated further on, or an
+        agent's tool loop whose calls were stored otherwise) the first one made, for a message
+        after the first reply (``anchor``: how many messages run through it) or one that this
+        request goes on after (``last``: the index of its last message). Two conversations may
+        open alike: a new conversation's opening question, sent alone, is decided afresh."""
         laid = Laid(current=current, current_key=keys.get(current) if current is not None else None)
         if not keys:
             return laid
@@ -81,7 +83,7 @@ class Layer:
         for index, key in keys.items():
             found = records.get(key, [])
             own = [r for r in found if r.session_id == session]
-            shared = anchor is not None and index >= anchor
+            shared = (anchor is not None and index >= anchor) or index < last
             record = own[0] if own else found[0] if found and shared else None
             if record is None:
                 continue

@@ -236,6 +236,7 @@ class Rewriter:
             self.fence_secret,
             session,
             anchor_length(mt.messages),
+            len(mt.messages) - 1,
         )
 
     def tag(self, mt: MemoryTurn) -> str:

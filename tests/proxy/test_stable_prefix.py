@@ -290,3 +290,32 @@ async def test_tool_outputs_stay_raw_until_the_prompt_fills_then_go_at_once(
             assert extends(b, a)  # until then, each request extended the last
     finally:
         await engram.close()
+
+
+async def test_a_tool_loop_from_the_first_message_keeps_its_block(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    """An agent's first message starts a tool loop; its calls were stored otherwise (here: the
+    fake's reply is not the call the client sends on), so Engram places the follow-up in a new
+    session, and the first message's block is laid again all the same. The same question sent
+    alone again, as a new conversation, is decided afresh."""
+    engram = await start(kv, db)
+    try:
+        await tell_earlier(http, engram)
+        ask = [SYSTEM, {"role": "user", "content": "Which cat breed does my sister raise?"}]
+        _, r1 = await send(http, engram, ask)
+        first = kv.chat_requests()[-1].json()["messages"]
+        assert "Siamese" in forwarded_memory(first)
+        await settle(engram)
+        call = {"id": "c1", "type": "function", "function": {"name": "notes", "arguments": "{}"}}
+        loop = [
+            *ask,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "(no notes)"},
+        ]
+        _, r2 = await send(http, engram, loop)
+        follow = kv.chat_requests()[-1].json()["messages"]
+        assert r2.headers["X-Engram-Session"] != r1.headers["X-Engram-Session"]  # (a fork)
+        assert extends(follow, first)
+    finally:
+        await engram.close()
