@@ -66,7 +66,9 @@ async def test_three_times_the_context_then_a_real_summary(llama: LlamaServer) -
     assert direct["error"]["n_prompt_tokens"] > 3 * CTX
 
     engram = await start_engram(
-        llama.url, summary={"budget_share": 1.0, "max_tokens": 96}, prompt={"reply_reserve": 128}
+        llama.url,
+        summary={"budget_share": 1.0, "max_tokens": 96},
+        prompt={"reply_reserve": 128, "mode": "zones"},  # the summary used at the next turn
     )
     try:
         status, reply = await post(engram.url, body, **{"X-Engram-User": "e2e-long"})

@@ -163,7 +163,7 @@ async def test_a_forgotten_sentence_leaves_no_byte_in_the_database_files(
         e = await start_engram(
             fake.url,
             memory={"db_path": str(db)},
-            prompt={"reply_reserve": 256},
+            prompt={"reply_reserve": 256, "mode": "zones"},  # a summary at once
             summary={"budget_share": 1.0},
         )
         try:
@@ -219,7 +219,9 @@ HANDBACK = (
 async def test_a_subagents_handback_goes_with_the_subagent(
     fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
-    e = await start_engram(fake.url, summary={"budget_share": 1.0, "max_tokens": 64})
+    e = await start_engram(
+        fake.url, summary={"budget_share": 1.0, "max_tokens": 64}, prompt={"mode": "zones"}
+    )
     headers = {"X-Engram-User": "u"}
 
     async def chat(text: str, **extra: str) -> str:

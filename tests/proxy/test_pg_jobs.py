@@ -121,6 +121,7 @@ async def test_a_replica_killed_mid_summary_leaves_it_to_another_which_makes_it_
     db = database(pg)
     env = {
         "ENGRAM_PROMPT_REPLY_RESERVE": "256",
+        "ENGRAM_PROMPT_MODE": "zones",  # the first cut forwards enough for the summary's budget
         "ENGRAM_SUMMARY_BUDGET_SHARE": "1.0",
         "ENGRAM_MEMORY_JOB_LEASE": str(LEASE_S),
     }

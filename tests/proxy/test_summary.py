@@ -24,8 +24,12 @@ SUMMARY = "The user asked forty numbered questions about lorem ipsum; question 3
 
 
 async def start(fake: FakeUpstream, **summary: Any) -> Engram:
+    """An Engram whose summary is used at the very next turn (``prompt.mode = "zones"``; in
+    the default mode it opens the window at the next cut: tests/proxy/test_stable_prefix.py)."""
     return await start_engram(
-        fake.url, prompt={"reply_reserve": 256}, summary={"budget_share": 1.0, **summary}
+        fake.url,
+        prompt={"reply_reserve": 256, "mode": "zones"},
+        summary={"budget_share": 1.0, **summary},
     )
 
 
