@@ -394,7 +394,7 @@ class RetrievalSettings:
         max=1,
     )
     gate_question_cosine: float = opt(
-        0.25,
+        0.2,
         "Gate: the cosine to a question (a '?', or a question word first) a full-text hit "
         "needs; a question's hits are not cut by rank or score share.",
         min=-1,

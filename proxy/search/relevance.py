@@ -106,7 +106,7 @@ class GateSettings:
     enabled: bool = True
     min_share: float = 0.8
     min_cosine: float = 0.35
-    question_cosine: float = 0.25
+    question_cosine: float = 0.2
     cosine_alone: float = 0.5
     assistant_extra: float = 0.03
     min_words: int = 2
