@@ -250,6 +250,14 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     CORS headers are kept where Engram is transparent (:func:`proxy.guard.transparent`: CORS
     preflights come here too) or grants CORS itself."""
     services = request.app[SERVICES]
+    if request.method != "POST":  # reads (models, props, health): no prompt for the slots
+        return await _passthrough(request)
+    with services.activity.request():  # completions, embeddings…: Engram's own calls wait
+        return await _passthrough(request)
+
+
+async def _passthrough(request: web.Request) -> web.StreamResponse:
+    services = request.app[SERVICES]
     settings = services.settings
     body = await read_body(request, settings.server.max_body_bytes)
     upstream = services.upstream

@@ -35,6 +35,7 @@ from proxy.chat.apis import chat_apis
 from proxy.chat.memory import MemoryService
 from proxy.chat.pipeline import ChatPipeline
 from proxy.config import Settings
+from proxy.idle import UpstreamActivity
 from proxy.keys import new_admin_token
 from proxy.logs import event
 from proxy.masking import display_url
@@ -97,6 +98,7 @@ class Services:
     parts: MemoryParts | None
     auth: Authenticator
     pipelines: dict[str, ChatPipeline]  # every chat API's, by adapter name
+    activity: UpstreamActivity  # requests in flight; Engram's own calls wait for a pause
 
     def require_memory(self) -> MemoryParts:
         """The memory parts; RuntimeError when memory is disabled (for tools and benchmarks)."""
@@ -152,6 +154,10 @@ async def open_services(
         upstream = Upstream(settings.upstream, info, keep_client_key=settings.auth.mode == "none")
         closing("closing the upstream client", upstream.close)
         tasks = BackgroundTasks()
+        # Counted by the pipelines and the pass-through, waited on by Engram's own calls.
+        activity = UpstreamActivity(
+            settings.upstream.own_calls_idle, settings.upstream.own_calls_max_wait
+        )
         enabled = settings.memory.enabled
         memory_cfg = settings.memory
         target = store_target(memory_cfg.backend, memory_cfg.postgres_url, memory_cfg.db_path)
@@ -166,17 +172,24 @@ async def open_services(
             except PostgresUnavailable as exc:
                 raise StartupRefused(f"memory.postgres_url ({store.display}): {exc}") from None
             closing("closing the database", store.close)
-        parts = await _open_memory(settings, store, tasks, upstream, closing) if store else None
+        parts = (
+            await _open_memory(settings, store, tasks, upstream, activity, closing)
+            if store
+            else None
+        )
         token = await _admin_token(settings, store, target)
         auth = Authenticator(settings.auth, store, token)
         # Registered after the memory parts, so it runs before they close.
         closing("draining background tasks", lambda: tasks.drain(settings.server.shutdown_timeout))
         memory = parts.memory if parts else None
         pipelines = {
-            api.name: ChatPipeline(settings, upstream, tasks, memory, api) for api in chat_apis()
+            api.name: ChatPipeline(settings, upstream, tasks, memory, api, activity)
+            for api in chat_apis()
         }
         pipeline = pipelines["openai-chat"]
-        services = Services(settings, started, upstream, tasks, pipeline, parts, auth, pipelines)
+        services = Services(
+            settings, started, upstream, tasks, pipeline, parts, auth, pipelines, activity
+        )
         if info.kind in ("llamacpp", "unknown", "openai") and info.found_by != "fallback":
             size = await upstream.context_size()
             event(
@@ -274,6 +287,7 @@ async def _open_memory(
     store: Store,
     tasks: BackgroundTasks,
     upstream: Upstream,
+    activity: UpstreamActivity,
     closing: Callable[[str, Callable[[], Awaitable[object]]], None],
 ) -> MemoryParts | None:
     if not settings.memory.enabled:
@@ -284,7 +298,7 @@ async def _open_memory(
         closing("stopping the embedder", embedder.aclose)
     retriever = Retriever(store, embedder, settings.retrieval)
     tokens = TokenCounter(await asyncio.to_thread(load_encoder))
-    summarizer = Summarizer(settings, store, upstream, tokens)
+    summarizer = Summarizer(settings, store, upstream, tokens, activity)
     feedback = Feedback(settings, store, tasks)
     consolidator = Consolidator(settings, store, embedder, summarizer, feedback)
     counters = Counters(store, summarizer, consolidator)

@@ -116,6 +116,11 @@ async def metrics(request: web.Request) -> web.Response:
         "upstream_prompt_tokens_reused",
     ):
         values[f"engram_{name}_total"] = counts[name]
+    activity = services.activity  # Engram's own calls wait for an idle upstream (proxy.idle)
+    values["engram_upstream_requests_in_flight"] = activity.in_flight
+    values["engram_own_calls_waiting"] = activity.waiting
+    values["engram_own_calls_delayed_total"] = activity.delayed
+    values["engram_own_calls_forced_total"] = activity.forced
     memory = pipeline.memory
     if memory is not None:
         values.update(_store_metrics(memory.store))

@@ -194,6 +194,8 @@ class Consolidator:
             timeout=cfg.timeout,
             cost=max(tokens.raw(prompt), tokens.count(prompt, model)) + 8 + cfg.max_tokens,
             room=self.allowance() - self.tokens_spent,
+            activity=self.summarizer.activity,
+            what="consolidation",
         )
         self.tokens_spent += result.spent
         if result.status == "budget":

@@ -95,7 +95,7 @@ class Handback:
                 "content": f"Transcript of the sub-agent:\n{transcript}\n\nWrite the report now.",
             },
         ]
-        reply = await self.summarizer.complete(messages, model)
+        reply = await self.summarizer.complete(messages, model, what="hand-back")
         if reply is None:
             return None  # over budget or failed: try again on a later trigger
         content = clean(reply, cap, self.summarizer.tokens, source=transcript)

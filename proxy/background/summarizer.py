@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import aiohttp
 from proxy.background.leases import Leases
 from proxy.chat.fence import clean_name, inert_line
 from proxy.config import Settings
+from proxy.idle import UpstreamActivity
 from proxy.logs import event
 from proxy.redact import redact
 from proxy.store.models import Turn
@@ -129,12 +131,19 @@ class Summarizer:
     """Schedules and runs summary updates, within the token budget."""
 
     def __init__(
-        self, settings: Settings, store: Store, upstream: Upstream, tokens: TokenCounter
+        self,
+        settings: Settings,
+        store: Store,
+        upstream: Upstream,
+        tokens: TokenCounter,
+        activity: UpstreamActivity | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.upstream = upstream
         self.tokens = tokens
+        # The user's requests in flight: Engram's own calls wait for a pause (proxy.idle).
+        self.activity = activity
         self.prompt = load_prompt(settings.summary.prompt_file)
         self.leases = Leases(store, settings.memory.job_lease)  # one process per item
         self.running: set[str] = set()
@@ -217,7 +226,7 @@ class Summarizer:
         messages = summary_messages(
             self.prompt, previous.content if previous else None, text, cfg.max_tokens * 3 // 4
         )
-        reply = await self.complete(messages, model)
+        reply = await self.complete(messages, model, what="summary")
         if reply is None:
             return previous  # over budget (wait for more traffic) or failed: nothing changes
         content = clean(reply or "", cfg.max_tokens, self.tokens, source=text)
@@ -245,9 +254,11 @@ class Summarizer:
         )
         return summary
 
-    async def complete(self, messages: list[dict[str, str]], model: str | None) -> str | None:
-        """One budgeted call to the upstream (for other background writers: hand-backs,
-        consolidation). None when over budget or when the call fails."""
+    async def complete(
+        self, messages: list[dict[str, str]], model: str | None, what: str = "summary"
+    ) -> str | None:
+        """One budgeted call to the upstream, made when the upstream is idle (for other
+        background writers too: hand-backs). None when over budget or when the call fails."""
         cfg = self.settings.summary
         cost = self.tokens.raw("\n".join(m["content"] for m in messages)) + cfg.max_tokens
         result = await budgeted_call(
@@ -259,6 +270,8 @@ class Summarizer:
             timeout=cfg.timeout,
             cost=cost,
             room=cfg.budget_share * self.tokens_proxied - self.tokens_spent,
+            activity=self.activity,
+            what=what,
         )
         self.tokens_spent += result.spent
         if result.status == "budget":
@@ -292,12 +305,18 @@ async def budgeted_call(
     timeout: float,
     cost: int,
     room: float,
+    activity: UpstreamActivity | None = None,
+    what: str = "background call",
 ) -> CallResult:
     """One of Engram's own calls to the upstream, made only if its estimated ``cost`` fits the
-    tokens its budget has ``room`` for. The tokens it spent: the reported ``total_tokens``, else
-    the estimate — a failed call counts in full, since it may have run."""
+    tokens its budget has ``room`` for, and once ``activity`` says the upstream is idle (or
+    this call has waited its longest: :mod:`proxy.idle`). The tokens it spent: the reported
+    ``total_tokens``, else the estimate — a failed call counts in full, since it may have run."""
     if cost > room:
         return CallResult("budget")
+    gate: AbstractAsyncContextManager[object] = (
+        activity.own_call(what) if activity is not None else nullcontext()
+    )
     body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": max_tokens,
@@ -306,10 +325,11 @@ async def budgeted_call(
     }
     if model:
         body["model"] = model
-    try:
-        reply, usage = await chat_call(upstream, body, timeout)
-    except Exception as exc:
-        return CallResult("failed", error=f"{type(exc).__name__}: {exc}"[:300], spent=cost)
+    async with gate:
+        try:
+            reply, usage = await chat_call(upstream, body, timeout)
+        except Exception as exc:
+            return CallResult("failed", error=f"{type(exc).__name__}: {exc}"[:300], spent=cost)
     spent = usage.get("total_tokens") if usage else None
     used = spent if isinstance(spent, int) and not isinstance(spent, bool) and spent >= 0 else cost
     return CallResult("ok", reply, spent=used)

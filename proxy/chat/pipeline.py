@@ -33,6 +33,7 @@ from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.chat.wire import CostTap
 from proxy.config import Settings
 from proxy.errors import BadRequest, EngramError, UpstreamRejected
+from proxy.idle import UpstreamActivity
 from proxy.logs import event
 from proxy.messages import content_text
 from proxy.relay import UPSTREAM_DIED, encode_json, is_event_stream, is_ndjson, read_body, relay
@@ -83,9 +84,12 @@ class ChatPipeline:
         tasks: BackgroundTasks,
         memory: MemoryService | None = None,
         api: ChatAPI | None = None,
+        activity: UpstreamActivity | None = None,
     ) -> None:
         self.api: ChatAPI = api or OpenAIChat()
         self.settings = settings
+        # Requests in flight, for Engram's own calls to wait on (proxy.idle); one per process.
+        self.activity = activity or UpstreamActivity(0.0, 0.0)
         self.upstream = upstream
         self.tasks = tasks
         self.memory = memory
@@ -118,6 +122,12 @@ class ChatPipeline:
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """One chat request, counted in flight from its start to its reply's end (or failure):
+        Engram's own upstream calls wait until none is (:mod:`proxy.idle`)."""
+        with self.activity.request():
+            return await self._handle(request)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         check_target(request.raw_path)  # before any work: a 400 for an absolute-form target
         raw = await read_body(request, self.settings.server.max_body_bytes)
         mode = memory_mode(request.headers.get("X-Engram-Memory"))

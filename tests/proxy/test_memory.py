@@ -351,12 +351,17 @@ async def test_a_rewritten_prompt_is_learned_against_the_assemblers_count(
     block's four for joining the system message (prompt.assemble), give or take the rounding
     of each line's and message's corrected count (half a token each)."""
     tokens = real_zones.app[SERVICES].memory.tokens
-    await chat(http, real_zones, [SYSTEM, {"role": "user", "content": "I play the cello."}], user="c")
+    await chat(
+        http, real_zones, [SYSTEM, {"role": "user", "content": "I play the cello."}], user="c"
+    )
     await settle(real_zones)
     before = tokens.ratio("m")
     assert before is not None
     _, r = await chat(
-        http, real_zones, [SYSTEM, {"role": "user", "content": "What instrument do I play?"}], user="c"
+        http,
+        real_zones,
+        [SYSTEM, {"role": "user", "content": "What instrument do I play?"}],
+        user="c",
     )
     assert int(r.headers["X-Engram-Memories"]) >= 1
     await settle(real_zones)
