@@ -15,6 +15,7 @@ row of what Claude Code, Codex and opencode showed, run as their users run them 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,9 @@ def sent(fake: FakeUpstream, path: str) -> list[dict[str, Any]]:
 
 
 def assert_no_scaffolding_recalled(text: str) -> None:
-    block = text[text.find("<engram-memory") :] if "<engram-memory" in text else ""
+    """No memory block in ``text`` (a body, or blocks) holds an agent's scaffolding."""
+    block = "\n".join(re.findall(r"<engram-memory-(\w+)>.*?</engram-memory-\1>", text, re.S))
+    assert block or "<engram-memory" not in text
     for mark in ("Attribution", "environment_context", "Primary working directory", "agent"):
         assert mark not in block, (mark, block[:2000])
 
