@@ -229,18 +229,17 @@ class Archive:
                 sid = placement.session.id
                 await self.store.write(lambda c: put_block(c, user, key, sid, shown, now))
             return True
-        if rows:
-            session, inserted = await self.store.write(commit)
-            self.archived_turns += len(inserted)
-            if self.on_repeated is not None and any(
-                p.kind == "repeated" for _, r in inserted for p in r.scaffold
-            ):
-                self.on_repeated(user)
-            if self.quota is not None:
-                self.quota.add(user, len(inserted))
-            if session.id != placement.session.id:
-                mt.placement = dataclasses.replace(placement, session=session)
-            event(log, logging.DEBUG, "archived", session=session.id, turns=len(inserted))
-            if self.indexer is not None:
-                self.indexer.submit(inserted)
+        session, inserted = await self.store.write(commit)
+        self.archived_turns += len(inserted)
+        if self.on_repeated is not None and any(
+            p.kind == "repeated" for _, r in inserted for p in r.scaffold
+        ):
+            self.on_repeated(user)
+        if self.quota is not None:
+            self.quota.add(user, len(inserted))
+        if session.id != placement.session.id:
+            mt.placement = dataclasses.replace(placement, session=session)
+        event(log, logging.DEBUG, "archived", session=session.id, turns=len(inserted))
+        if self.indexer is not None:
+            self.indexer.submit(inserted)
         return True

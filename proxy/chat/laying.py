@@ -66,9 +66,17 @@ class Layer:
         after the first reply (``anchor``: how many messages run through it) or one that this
         request goes on after (``last``: the index of its last message). Two conversations may
         open alike: a new conversation's opening question, sent alone, is decided afresh."""
-        laid = Laid(current=current, current_key=keys.get(current) if current is not None else None)
-        if not keys:
+        laid = Laid(current_key=keys.get(current) if current is not None else None)
+        # Another session's record serves a message after the first reply, or one this request
+        # goes on after; the session's own, any message.
+        usable = {
+            i: k
+            for i, k in keys.items()
+            if session is not None or (anchor is not None and i >= anchor) or i < last
+        }
+        if not usable:  # a new conversation's opening message: nothing to read
             return laid
+        keys = usable
 
         def read(c: Any) -> tuple[dict[str, list[Record]], list[Turn]]:
             records = blocks_of(c, user, list(keys.values()))
@@ -93,8 +101,7 @@ class Layer:
             tag = block_tag(secret, record.session_id)
             block, used = memory_block(memories, UNLIMITED, _free, tag) if memories else ("", [])
             if index == current:
-                laid.current_ids, laid.current_memories = [m.id for m in used], used
-                laid.current_tag = tag
+                laid.current_memories, laid.current_tag = used, tag
             elif block:
                 laid.blocks[index], laid.ids[index] = block, [m.id for m in used]
         return laid

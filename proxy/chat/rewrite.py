@@ -180,10 +180,10 @@ class Rewriter:
             laid=laid,
         )
         memories: list[Recalled] = []
-        if mt.laid is not None and mt.laid.current_ids is not None:
+        if mt.laid is not None and mt.laid.current_memories is not None:
             # The same message as before (a tool loop's next request, a regenerated reply):
             # exactly the block it had, searched for no more.
-            memories, mt.memory_room = mt.laid.current_memories, UNLIMITED
+            memories = mt.laid.current_memories
         elif recall:
             shown = mt.laid.shown_from(draft.window_start) if mt.laid is not None else set()
             memories = await self.recall.recall(mt, draft.window_start, shown)
@@ -228,7 +228,8 @@ class Rewriter:
         first = 1 if view and is_system(view[0]) else 0
         current = last_user_index(view, current_start(view, first))
         keys = user_chains(mt.messages, mt.chains)
-        session = mt.placement.session.id if mt.placement is not None else None
+        placed = mt.placement
+        session = placed.session.id if placed is not None and not placed.created else None
         return await self.layer.read(
             mt.identity.user,
             keys,
@@ -379,7 +380,9 @@ class Rewriter:
         count_text: Callable[[str], int],
     ) -> Assembly:
         s = self.settings
-        block, used = memory_block(memories, mt.memory_room, count_text, self.tag(mt))
+        again = mt.laid is not None and mt.laid.current_memories is not None
+        room = UNLIMITED if again else mt.memory_room  # a block laid again is not cut
+        block, used = memory_block(memories, room, count_text, self.tag(mt))
         mt.injected = [m.id for m in used]
         # The block's tokens as its lines' plus one per line end, as memory_block filled it
         # (each line counted and remembered then): at most a token a line above the exact

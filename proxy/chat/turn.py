@@ -45,11 +45,11 @@ class Laid:
 
     blocks: dict[int, str] = field(default_factory=dict)
     ids: dict[int, list[int]] = field(default_factory=dict)
-    current: int | None = None  # index of the current user message
-    current_key: str | None = None
-    current_ids: list[int] | None = None  # a record for it exists: lay these, search nothing
-    current_memories: list[Recalled] = field(default_factory=list)
-    current_tag: str | None = None  # the tag its block was laid with
+    current_key: str | None = None  # the current user message's chain hash
+    # A record for the current message exists: lay these memories (maybe none), search nothing,
+    # with the tag its block was laid with.
+    current_memories: list[Recalled] | None = None
+    current_tag: str | None = None
 
     def shown_from(self, start: int) -> set[int]:
         """Memory ids the earlier blocks at or after ``start`` show (they stay in the prompt)."""
