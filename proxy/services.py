@@ -34,6 +34,7 @@ from proxy.background.summarizer import Summarizer
 from proxy.chat.apis import chat_apis
 from proxy.chat.memory import MemoryService
 from proxy.chat.pipeline import ChatPipeline
+from proxy.cli.workers import worker_number
 from proxy.config import Settings
 from proxy.idle import UpstreamActivity
 from proxy.keys import new_admin_token
@@ -322,6 +323,9 @@ async def _open_memory(
         feedback=feedback,
         slots=slots,
         indexer=indexer,
+        # Other processes write to this database: requests in flight claim session positions
+        # on it (proxy.chat.claims), not only in this process.
+        shared=settings.memory.backend == "postgres" or worker_number() is not None,
     )
     # The memory block's tags the same in every process on this database, and after a
     # restart: the upstream's prompt cache keeps matching (proxy.chat.fence.block_tag).

@@ -23,6 +23,7 @@ from typing import Any
 
 from proxy import scaffold
 from proxy.background.indexer import Indexer
+from proxy.chat.claims import Claims
 from proxy.chat.quota import TurnQuota
 from proxy.chat.sessions import commit_turns
 from proxy.chat.turn import MemoryTurn
@@ -132,6 +133,7 @@ class Archive:
         max_bytes: int = 0,
         quota: TurnQuota | None = None,
         on_repeated: Callable[[str], None] | None = None,
+        claims: Claims | None = None,
     ) -> None:
         self.store = store
         # Told the user whose paragraph became scaffolding by repetition (recall's cache).
@@ -141,6 +143,7 @@ class Archive:
         self.max_bytes = max_bytes  # limits.max_message_bytes
         self.quota = quota  # limits.max_turns_per_user
         self.archived_turns = 0
+        self.claims = claims  # the positions requests hold, given back by their commit
 
     async def request_rows(self, mt: MemoryTurn, now: float) -> list[NewTurn]:
         """Archive rows for the request's messages that its session does not hold yet."""
@@ -216,20 +219,32 @@ class Archive:
         user = placement.session.user_id
         if rows and self.quota is not None and not await self.quota.allows(user, len(rows)):
             return True  # over the user's turn cap (logged): the reply goes, unarchived
-        key, shown = mt.block_key, list(mt.injected)
+        key, shown, claims = mt.block_key, list(mt.injected), self.claims
+        claim = mt.claim if mt.claim is not None and not mt.claim.released else None
 
         def commit(c: Connection) -> tuple[Session, list[tuple[int, NewTurn]]]:
             session, inserted = commit_turns(c, placement, rows, now)
             if key is not None:  # what was laid before the user message, for later requests
                 put_block(c, session.user_id, key, session.id, shown, now)
+            if claim is not None and claims is not None:  # the position is taken: free it
+                claims.release_in(c, claim)
             return session, inserted
 
-        if not rows:
+        def record(c: Connection) -> None:
             if key is not None:
-                sid = placement.session.id
-                await self.store.write(lambda c: put_block(c, user, key, sid, shown, now))
+                put_block(c, user, key, placement.session.id, shown, now)
+            if claim is not None and claims is not None:
+                claims.release_in(c, claim)
+
+        if not rows:
+            if key is not None or claim is not None:
+                await self.store.write(record)
+                if claim is not None and claims is not None:
+                    claims.released(claim)
             return True
         session, inserted = await self.store.write(commit)
+        if claim is not None and claims is not None:
+            claims.released(claim)
         self.archived_turns += len(inserted)
         if self.on_repeated is not None and any(
             p.kind == "repeated" for _, r in inserted for p in r.scaffold

@@ -25,6 +25,7 @@ from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
 from proxy.background.summarizer import Summarizer
 from proxy.cache import SizedLRU
+from proxy.chat import claims
 from proxy.chat.api import Conversation
 from proxy.chat.archive import Archive
 from proxy.chat.identity import Identity, identify, is_housekeeping
@@ -71,6 +72,7 @@ class MemoryService:
         feedback: Feedback | None = None,
         slots: SlotStore | None = None,
         indexer: Indexer | None = None,
+        shared: bool = False,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -88,6 +90,8 @@ class MemoryService:
         )
         limits = settings.limits
         self.quota = TurnQuota(store, limits.max_turns_per_user)
+        # Session positions held by requests in flight (on the database when it is shared).
+        self.claims = claims.Claims(store, shared)
         self.archive = Archive(
             store,
             indexer,
@@ -95,6 +99,7 @@ class MemoryService:
             limits.max_message_bytes,
             self.quota,
             self.recall.forget_repeated,
+            self.claims,
         )
         # The recent requests as forwarded, for the inspector (in memory only).
         self.recent = RecentRequests(settings.limits.last_prompts_bytes)
@@ -200,6 +205,8 @@ class MemoryService:
         # Placement only reads: a new session is created by the commit, once the upstream has
         # accepted the request (a rejected one leaves nothing behind).
         placement = await self.store.read(lambda c: place(c, req, now))
+        if write:  # its position in the session, held until the commit (or a fork, planned now)
+            placement, mt.claim = await self.claims.take(placement, now)
         mt.placement = placement if write or not placement.created else None
         try:
             await self.rewriter.compose(
@@ -219,6 +226,12 @@ class MemoryService:
         if write and a is not None and a.rewritten and mt.placement is not None:
             mt.summary_upto = a.window_start
         return mt
+
+    async def release(self, mt: MemoryTurn) -> None:
+        """Give back the position the request held, if its commit did not (the request ends
+        unarchived, or its commit failed)."""
+        if mt.claim is not None:
+            await self.claims.release(mt.claim)
 
     def record_request(self, request_id: str, mt: MemoryTurn) -> None:
         """Note the request's id, so that feedback can name it once the upstream accepted it

@@ -142,11 +142,36 @@ class ChatPipeline:
         turn.response_headers["X-Engram-Request-Id"] = request_id
         if self.memory is not None:
             await self._remember(request, turn)
-        forwarded = turn.forwarded
-        if forwarded is None and conv.reshape:
-            forwarded = turn.forwarded = conv.messages
-        payload = self.api.encode(conv, forwarded) if forwarded is not None else raw
-        return await self._forward(request, turn, payload)
+        try:
+            forwarded = turn.forwarded
+            if forwarded is None and conv.reshape:
+                forwarded = turn.forwarded = conv.messages
+            payload = self.api.encode(conv, forwarded) if forwarded is not None else raw
+            response = await self._forward(request, turn, payload)
+        finally:
+            self._release(turn)
+        return self._named(response, turn)
+
+    def _release(self, turn: ChatTurn, committed: bool = False) -> None:
+        """Give back the session position the request held (:mod:`proxy.chat.claims`), in the
+        background: when it will not be archived, or (``committed``) after its commit, which
+        gives it back itself unless it stored nothing or failed."""
+        mt = turn.memory
+        if self.memory is None or mt is None or mt.claim is None or mt.claim.released:
+            return
+        if not committed and (mt.committed or self._archives(turn)):
+            return  # its commit, under way or to come, gives it back
+        self.tasks.spawn(self.memory.release(mt), name=f"release:{turn.request_id}")
+
+    @staticmethod
+    def _named(response: web.StreamResponse, turn: ChatTurn) -> web.StreamResponse:
+        """A reply whose headers are not sent yet (a plain JSON reply, committed before) names
+        the session its commit stored the turn in, should that differ from the placement's."""
+        mt = turn.memory
+        named = "X-Engram-Session" in response.headers and not response.prepared
+        if named and mt is not None and mt.placement is not None:
+            response.headers["X-Engram-Session"] = mt.placement.session.name
+        return response
 
     async def _forward_raw(
         self, request: web.Request, raw: bytes, request_id: str
@@ -387,7 +412,9 @@ class ChatPipeline:
             raise
         except Exception:  # logged by the task set; the reply still goes out
             self.counts["archive_failures"] += 1
+            self._release(turn, committed=True)
             return
+        self._release(turn, committed=True)  # unless the commit gave it back (it stored rows)
         placement = turn.memory.placement
         if isinstance(self.api, ContinuesReplies) and turn.reply and placement is not None:
             self.api.replied(turn.conv, turn.reply, placement.session.name)

@@ -17,12 +17,16 @@ session stores the turns from the point where they differ.
 
 :func:`place` only reads: a session it finds no place for is planned (``Placement.created``), and
 :func:`commit_turns` creates it in the archive's transaction, after the upstream accepted the
-request, so a rejected request leaves no session behind. The commit checks the placement again,
-holding the conversation's lock (:mod:`proxy.store.twins`: commits of one conversation on
-replicas sharing one PostgreSQL run one at a time, as SQLite's do): if a concurrent request of
-the same conversation stored something else at these positions meanwhile, the rest forks there;
-a new conversation's twin (the same first request, sent while this one ran) joins the session it
-made. All SQL is in :mod:`proxy.store`.
+request, so a rejected request leaves no session behind, under the id its reply named
+(``X-Engram-Session``, sent before the commit). A request continuing a stored session holds
+its next position while it runs (:mod:`proxy.chat.claims`); one that finds it held is planned
+as a fork there at once, so its reply names the fork. New conversations alike (the same first
+request, sent at once by two clients or twice by one) are each their own session: only their
+replies can tell them apart, and those come after the headers. The commit checks the placement
+again, holding the conversation's lock (:mod:`proxy.store.twins`: commits of one conversation
+on replicas sharing one PostgreSQL run one at a time, as SQLite's do): if a concurrent request
+of the same conversation stored something else at these positions meanwhile (a claim that
+expired, say), the rest forks there. All SQL is in :mod:`proxy.store`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ from proxy.store.models import NewTurn, Session
 from proxy.store.naming import RESERVED_PREFIXES, create_named, free_session_id, named_session
 
 log = logging.getLogger("engram.sessions")
+
+MAX_ALIKE = 8
+"""Most sessions holding the same longest prefix that a placement considers (conversations
+started alike: the same messages, the same replies)."""
 
 
 def client_name(value: str | None) -> str | None:
@@ -149,50 +157,38 @@ def place(conn: Connection, req: PlacementRequest, now: float) -> Placement:
             return Placement(found, matched, True, False, queries.next_position(conn, found.id))
         # A sub-agent naming a session that is not its own child: placed by its messages.
 
-    found_chain = (
-        queries.resolve_session(
+    prefixes = (
+        queries.longest_prefixes(
             conn, user, list(chains), min_length=anchor, parent_id=parent.id if parent else None
         )
         if anchor is not None
         else None
     )
-    if found_chain is not None:
-        session, matched = found_chain
-        last = queries.next_position(conn, session.id) - 1
-        if last < matched:  # nothing stored past the match: the same conversation, continued
-            return Placement(session, matched, False, False, matched)
-        if matched == len(chains) and last == matched - 1:
-            return Placement(session, matched, False, False, matched)
-        log.debug("conversation forks from %s at message %d", session.id, matched)
-    else:
-        matched = 0
+    matched = 0
+    if prefixes is not None:
+        best, matched, alike = prefixes
+        # Those with nothing stored past the match: the same conversation, continued (several
+        # when conversations started alike; the others are where a concurrent request of one
+        # goes, proxy.chat.claims).
+        free = [sid for sid in alike[:MAX_ALIKE] if queries.next_position(conn, sid) == matched]
+        session = queries.get_session(conn, free[0]) if free else None
+        if session is not None:
+            return Placement(session, matched, False, False, matched, tuple(free[1:]))
+        log.debug("conversation forks from %s at message %d", best, matched)
     fingerprint = chains[anchor - 1] if anchor is not None and len(chains) >= anchor else None
     sid = _chain_id()
     planned = _planned(user, sid, sid, fingerprint, now, parent, req.agent)
     return Placement(planned, matched, False, True, matched)
 
 
-def _materialise(
-    conn: Connection, placement: Placement, first: NewTurn, now: float
-) -> Session | None:
-    """The session a placement planned, created now (or the one a concurrent request created
-    under the same name, or a twin of this request created with the same first row, meanwhile:
-    :mod:`proxy.store.twins`); None when its parent was deleted during the request."""
+def _materialise(conn: Connection, placement: Placement, now: float) -> Session | None:
+    """The session a placement planned, created now under the id its reply named (or the one
+    a concurrent request created under the same client-chosen name meanwhile); None when its
+    parent was deleted during the request."""
     planned = placement.session
     if planned.parent_id is not None and queries.get_session(conn, planned.parent_id) is None:
         return None
     if not placement.explicit:
-        twin = twins.created_since(
-            conn,
-            planned.user_id,
-            planned.parent_id,
-            first.position,
-            first.identity(),
-            planned.created_at,
-        )
-        if twin is not None:
-            log.debug("a twin request created %s meanwhile: joined", twin.id)
-            return twin
         return _create_chain(conn, planned, now)
     session = create_named(
         conn,
@@ -211,15 +207,13 @@ def _materialise(
     return session
 
 
-def _conversation_key(placement: Placement, first: NewTurn) -> tuple[str, ...]:
+def _conversation_key(placement: Placement) -> tuple[str, ...]:
     """What names the conversation a commit writes to, for :func:`twins.lock_conversation`: its
-    user and name when the client named it (created or not), the session when it exists, the
-    user and first row's chain hash when it is new (the key its twins share)."""
+    user and name when the client named it (created or not), else its session (planned or
+    stored)."""
     session = placement.session
     if placement.explicit:
         return ("name", session.user_id, session.name)
-    if placement.created:
-        return ("new", session.user_id, first.identity())
     return ("session", session.id)
 
 
@@ -235,10 +229,9 @@ def commit_turns(
     of this conversation went another way meanwhile, so this row and the rest go to a new
     session forked there (as :func:`place` forks an edited conversation).
     """
-    first = min(rows, key=lambda r: r.position)
-    twins.lock_conversation(conn, *_conversation_key(placement, first))
+    twins.lock_conversation(conn, *_conversation_key(placement))
     found = (
-        _materialise(conn, placement, first, now)
+        _materialise(conn, placement, now)
         if placement.created
         else queries.get_session(conn, placement.session.id)
     )

@@ -24,6 +24,19 @@ class Placement:
     explicit: bool  # named by the client (a name within its user)
     created: bool  # a new session, planned: the archive's commit creates it
     next_position: int  # the position the first new message takes
+    # Other sessions holding the same messages up to here and nothing after (conversations that
+    # started alike): where this request goes if another holds ``session``'s next position.
+    alike: tuple[str, ...] = ()
+
+
+@dataclass
+class Claim:
+    """The position in its session a request holds while it runs (:mod:`proxy.chat.claims`):
+    the lease's name and holder; ``released`` once given back."""
+
+    name: str
+    holder: str
+    released: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +84,7 @@ class MemoryTurn:
     previous_start: int | None = None  # where this conversation's last window began
     memory_room: int = 0  # tokens the memory block may take in this request
     placement: Placement | None = None
+    claim: Claim | None = None  # the placement's position, held until the commit stores it
     # The archive rows of the request's new messages, made beside the upstream call; committed
     # with the reply by the archive stage (once: ``committed``).
     request_rows: asyncio.Task[list[NewTurn]] | None = None

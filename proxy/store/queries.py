@@ -123,6 +123,23 @@ def resolve_session(
     parent is ``parent_id`` count (None: top-level sessions), so a sub-agent's conversation never
     continues a sibling's, nor a parent's.
     """
+    found = longest_prefixes(conn, user_id, hashes, min_length, parent_id)
+    if not found:
+        return None
+    session = get_session(conn, found[0])
+    return (session, found[1]) if session is not None else None
+
+
+def longest_prefixes(
+    conn: Connection,
+    user_id: str,
+    hashes: Sequence[str],
+    min_length: int = 1,
+    parent_id: str | None = None,
+) -> tuple[str, int, list[str]] | None:
+    """What :func:`resolve_session` finds, as ids: the session holding the longest prefix, its
+    length, and every session holding a prefix that long (the first included, most recently
+    seen first: conversations that started alike, each a place to continue)."""
     if not hashes:
         return None
     wanted = {h: i for i, h in enumerate(hashes)}
@@ -133,17 +150,18 @@ def resolve_session(
         " AND s.parent_id IS NOT DISTINCT FROM ?",
         (user_id, json_list(wanted), parent_id),
     ).fetchall()
-    best: tuple[int, float, str] | None = None
-    for session_id, position, content_hash, last_seen in rows:
-        if wanted.get(content_hash) != position or position + 1 < min_length:
-            continue
-        key = (position + 1, float(last_seen), str(session_id))
-        if best is None or key > best:
-            best = key
-    if best is None:
+    keys = sorted(
+        (
+            (position + 1, float(last_seen), str(session_id))
+            for session_id, position, content_hash, last_seen in rows
+            if wanted.get(content_hash) == position and position + 1 >= min_length
+        ),
+        reverse=True,
+    )
+    if not keys:
         return None
-    session = get_session(conn, best[2])
-    return (session, best[0]) if session is not None else None
+    length = keys[0][0]
+    return keys[0][2], length, [k[2] for k in keys if k[0] == length]
 
 
 def set_session_indexed(conn: Connection, session_id: str, indexed: bool) -> None:

@@ -9,6 +9,7 @@ input (lone surrogates, tool calls of the wrong shape) is archived, never silent
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -145,34 +146,105 @@ async def test_many_clients_back_to_back_one_session_each_every_message_once(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
 async def test_concurrent_regenerations_keep_both_replies(
-    engram: Engram, fake: FakeUpstream, http: aiohttp.ClientSession
+    engram: Engram, fake: FakeUpstream, http: aiohttp.ClientSession, stream: bool
 ) -> None:
     """Two requests of one conversation at once (a regenerate while the first still runs):
-    the second reply is not dropped on the first's position; it forks, each kept once."""
+    the second reply is not dropped on the first's position. The first placed holds the
+    session's next position; the second is a fork from there, and its reply says so."""
     headers = {"X-Engram-User": "regen"}
     first = [SYSTEM, {"role": "user", "content": "name a colour"}]
     text, sid = await send(http, engram, first, headers, stream=False)
     history = [*first, {"role": "assistant", "content": text}]
     history.append({"role": "user", "content": "another one"})
-    fake.enqueue(JsonReply(chat_completion("blue"), delay=0.3), JsonReply(chat_completion("green")))
-    slow = asyncio.create_task(send(http, engram, history, headers, stream=False))
+    if stream:
+        fake.enqueue(
+            StreamReply(chat_chunks(["bl", "ue"]), delay=0.15), StreamReply(chat_chunks(["green"]))
+        )
+    else:
+        fake.enqueue(
+            JsonReply(chat_completion("blue"), delay=0.3), JsonReply(chat_completion("green"))
+        )
+    slow = asyncio.create_task(send(http, engram, history, headers, stream=stream))
     await asyncio.sleep(0.1)  # the slow one is placed and waiting on the upstream
-    fast = await send(http, engram, history, headers, stream=False)
+    fast = await send(http, engram, history, headers, stream=stream)
     slow_reply = await slow
-    assert {fast[0], slow_reply[0]} == {"blue", "green"}
+    assert (slow_reply[0], fast[0]) == ("blue", "green")
+    assert slow_reply[1] == sid and fast[1] != sid  # named before either reply was stored
     await settle(engram)
     sessions = await user_turns(engram, "regen")
-    assert sid in sessions and len(sessions) == 2
+    assert set(sessions) == {sid, fast[1]}
     main = [t.content for t in sessions[sid]]
-    assert main == [SYSTEM["content"], "name a colour", text, "another one", "green"]
-    (fork,) = (turns for s, turns in sessions.items() if s != sid)
-    assert [(t.position, t.content) for t in fork] == [(4, "blue")]
+    assert main == [SYSTEM["content"], "name a colour", text, "another one", "blue"]
+    fork = sessions[fast[1]]
+    assert [(t.position, t.content) for t in fork] == [(3, "another one"), (4, "green")]
     # The conversation continued from the forked reply is recognised as the fork.
-    follow = [*history, {"role": "assistant", "content": "blue"}]
+    follow = [*history, {"role": "assistant", "content": "green"}]
     follow.append({"role": "user", "content": "thanks"})
     _, follow_sid = await send(http, engram, follow, headers, stream=False)
-    assert follow_sid == fork[0].session_id
+    assert follow_sid == fast[1]
+
+
+async def alike(
+    http: aiohttp.ClientSession, engrams: list[Engram], user: str, n: int, turns: int
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Conversation ``n`` of ``user``: it opens as every other does, then goes its own way;
+    each next turn sent the instant the reply ends, through each server in turn, streamed and
+    not by turns. The conversation as the client holds it and each reply's X-Engram-Session."""
+    headers = {"X-Engram-User": user}
+    messages: list[dict[str, Any]] = []
+    seen: list[str] = []
+    for i in range(turns):
+        text = "hello there" if i == 0 else f"conversation {n} says {i}"
+        messages.append({"role": "user", "content": text})
+        engram = engrams[(n + i) % len(engrams)]
+        reply, sid = await send(http, engram, messages, headers, stream=(n + i) % 2 == 0)
+        messages.append({"role": "assistant", "content": reply})
+        seen.append(sid)
+    return messages, seen
+
+
+async def assert_each_reply_names_its_turns_session(
+    engrams: list[Engram], results: list[tuple[list[dict[str, Any]], list[str]]]
+) -> None:
+    """Every reply's X-Engram-Session names a session that stores that turn: its user message
+    and the reply, at their positions."""
+    for engram in engrams:
+        await settle(engram)
+    for messages, seen in results:
+        for i, sid in enumerate(seen):
+            held = {t.position: t.content for t in await turns_as_sent(engrams[0], sid)}
+            turn = (held.get(2 * i), held.get(2 * i + 1))
+            assert turn == (messages[2 * i]["content"], messages[2 * i + 1]["content"]), (i, sid)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("replies", ["sampled", "identical"])
+async def test_conversations_opening_alike_at_once_each_reply_names_the_session_of_its_turn(
+    engram: Engram, fake: FakeUpstream, http: aiohttp.ClientSession, replies: str
+) -> None:
+    """Issue 39, item 1: sixteen new conversations of one user at once, all opening with the
+    same message, no session id. Each reply names the session that holds its turn, from the
+    first reply on. With a model that samples (a reply of its own for each), each conversation
+    is one session under one id from its first reply to its last, every message stored once, in
+    order. With identical replies the conversations are the same until their second message
+    (nothing in them tells them apart): each goes on in one of the sessions opened alike, or
+    in a fork of one when every one is held by another's request at that instant."""
+    if replies == "sampled":
+        count = itertools.count()
+        fake.reply_text = lambda last: f"{last}, said once ({next(count)})"
+    results = await asyncio.gather(*(alike(http, [engram], "alike", n, 8) for n in range(16)))
+    await assert_each_reply_names_its_turns_session([engram], list(results))
+    sessions = await user_turns(engram, "alike")
+    if replies == "sampled":
+        for messages, seen in results:
+            assert len(set(seen)) == 1, seen
+            assert [t.content for t in sessions[seen[0]]] == [m["content"] for m in messages]
+        assert len(sessions) == 16
+    else:  # each opened its own; each went on in one of them, or (all held) a fork of one
+        assert sum(len(s) for s in sessions.values()) == 16 * 16  # every message once
+        assert sum(len(s) == 16 for s in sessions.values()) >= 8, sessions
 
 
 @pytest.mark.asyncio

@@ -5,14 +5,18 @@ store), through the real HTTP surface (issue 25, "Tests"):
 - conversations whose turns alternate between the replicas are one session each, every message
   stored once and in order (read from the turns table itself), and a fact told through one is in
   the memory block the other forwards;
-- the same first request reaching both replicas at the same instant makes one session, its
-  messages stored once (recognised by its messages, or named by the client);
-- two replies of one turn committed at once on the two replicas are both kept, one in a fork.
+- the same first request reaching both replicas at the same instant: one session when the client
+  names it; recognised by its messages, a session per copy, each named by its reply;
+- new conversations opening alike, sent at once through both: each reply names the session that
+  stores its turn (issue 39);
+- two replies of one turn at once on the two replicas are both kept, the second placed in a
+  fork its reply names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Any
@@ -26,6 +30,7 @@ from testing.fake_upstream import FakeUpstream, JsonReply
 from testing.harness import Engram, forwarded_memory, settle, start_engram
 from testing.postgres import PostgresServer
 from testing.redis_server import RedisServer
+from tests.proxy.test_fast_clients import alike, assert_each_reply_names_its_turns_session
 
 pytestmark = pytest.mark.asyncio
 
@@ -156,7 +161,7 @@ async def test_alternating_turns_on_two_replicas_are_one_session_each_stored_onc
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["by-messages", "client-named"])
-async def test_the_same_first_request_on_both_replicas_at_once_makes_one_session(
+async def test_the_same_first_request_on_both_replicas_at_once(
     pg: PostgresServer,
     redis_server: RedisServer,
     fake: FakeUpstream,
@@ -164,7 +169,10 @@ async def test_the_same_first_request_on_both_replicas_at_once_makes_one_session
     caplog: pytest.LogCaptureFixture,
     named: bool,
 ) -> None:
-    """Recognised by its messages (no session id) or named by the client (X-Engram-Session)."""
+    """Named by the client (X-Engram-Session), the two copies are one session, its messages
+    stored once. Recognised by its messages, each copy is a session of its own (only the
+    replies could tell a hedged copy from another conversation that opened alike, and they
+    come after the headers), each named by its reply; the conversation goes on in one."""
     url = memory_database(pg)
     a, b = await replicas(fake, url, redis_server)
     try:
@@ -174,9 +182,8 @@ async def test_the_same_first_request_on_both_replicas_at_once_makes_one_session
             (reply_a, sid_a), (reply_b, sid_b) = await asyncio.gather(
                 chat(http, a, first, **headers), chat(http, b, first, **headers)
             )
-            # Each reply's header names the session its replica planned before either stored
-            # it; the one session kept is one of them, and the conversation goes on there.
             assert reply_a == reply_b
+            assert (sid_a == sid_b) is named
             then = [*first, {"role": "assistant", "content": reply_a}]
             then.append({"role": "user", "content": f"conversation {n} goes on"})
             _, sid = await chat(http, (a, b)[n % 2], then, **headers)
@@ -189,8 +196,10 @@ async def test_the_same_first_request_on_both_replicas_at_once_makes_one_session
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not failed, failed  # no archive commit failed (a lost turn)
     sessions = stored_sessions(url)
-    assert len(sessions) == 5, sessions  # one per conversation
-    for rows in sessions.values():
+    assert len(sessions) == (5 if named else 10), sessions
+    went_on = [rows for rows in sessions.values() if len(rows) == 4]
+    assert len(went_on) == 5, sessions
+    for rows in went_on:
         n = rows[0][2].split()[1]
         assert [(p, role) for p, role, _ in rows] == [
             (0, "user"),
@@ -199,6 +208,39 @@ async def test_the_same_first_request_on_both_replicas_at_once_makes_one_session
             (3, "assistant"),
         ], rows
         assert rows[2][2] == f"conversation {n} goes on"
+    assert all(len(rows) in (2, 4) for rows in sessions.values()), sessions
+
+
+@pytest.mark.parametrize("replies", ["sampled", "identical"])
+async def test_conversations_opening_alike_on_two_replicas_each_reply_names_its_session(
+    pg: PostgresServer,
+    redis_server: RedisServer,
+    fake: FakeUpstream,
+    http: aiohttp.ClientSession,
+    replies: str,
+) -> None:
+    """Issue 39, item 1, across replicas: eight new conversations of one user at once, all
+    opening alike, each next turn sent the instant the reply ends to the other replica. Every
+    reply names the session that stores its turn, from the first on; with a sampling model,
+    one id per conversation."""
+    if replies == "sampled":
+        count = itertools.count()
+        fake.reply_text = lambda last: f"{last}, said once ({next(count)})"
+    url = memory_database(pg)
+    a, b = await replicas(fake, url, redis_server)
+    try:
+        results = await asyncio.gather(*(alike(http, [a, b], "alike", n, 6) for n in range(8)))
+        await assert_each_reply_names_its_turns_session([a, b], list(results))
+    finally:
+        await a.close()
+        await b.close()
+    sessions = stored_sessions(url)
+    assert sum(len(rows) for rows in sessions.values()) == 8 * 12  # every message once
+    if replies == "sampled":
+        assert len(sessions) == 8, sessions
+        for messages, seen in results:
+            assert len(set(seen)) == 1, seen
+            assert [c for _, _, c in sessions[seen[0]]] == [m["content"] for m in messages]
 
 
 async def test_the_same_first_request_again_after_the_first_is_another_conversation(
@@ -236,6 +278,7 @@ async def test_two_replies_committed_at_once_on_two_replicas_both_kept_one_forks
     own reply: both replies are kept, the later commit's in a fork, as on one server."""
     url = memory_database(pg)
     a, b = await replicas(fake, url, redis_server)
+    named: dict[int, dict[str, str]] = {}  # each pair's reply -> the session its reply named
     try:
         for n in range(REGENERATIONS):
             first = [{"role": "user", "content": f"conversation {n}: name a colour"}]
@@ -243,7 +286,8 @@ async def test_two_replies_committed_at_once_on_two_replicas_both_kept_one_forks
             history = [*first, {"role": "assistant", "content": text}]
             history.append({"role": "user", "content": f"conversation {n}: another one"})
             fake.enqueue(JsonReply(chat_completion("blue")), JsonReply(chat_completion("green")))
-            await asyncio.gather(chat(http, a, history), chat(http, b, history))
+            both = await asyncio.gather(chat(http, a, history), chat(http, b, history))
+            named[n] = dict(both)
         await settle(a)
         await settle(b)
     finally:
@@ -261,6 +305,10 @@ async def test_two_replies_committed_at_once_on_two_replicas_both_kept_one_forks
             (2, "user"),
             (3, "assistant"),
         ], rows
-    replies = sorted([main[3][2] for main in mains] + [fork[0][2] for fork in forks])
+    replies = sorted([main[3][2] for main in mains] + [fork[1][2] for fork in forks])
     assert replies == ["blue"] * REGENERATIONS + ["green"] * REGENERATIONS  # each pair's, once
-    assert all(len(fork) == 1 and fork[0][:2] == (3, "assistant") for fork in forks), forks
+    # The one placed second is a fork from the user message on, and its reply names it.
+    assert all([(p, r) for p, r, _ in fork] == [(2, "user"), (3, "assistant")] for fork in forks)
+    for pair in named.values():
+        for reply, sid in pair.items():
+            assert sessions[sid][-1][1:] == ("assistant", reply), (pair, sessions[sid])
