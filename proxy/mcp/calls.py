@@ -3,10 +3,13 @@ CLI and the inspector: :mod:`proxy.api.views` to search and read, :mod:`proxy.ap
 add notes and forget (with :func:`proxy.api.effects.after`, as every server-side correction).
 
 A call goes: the arguments checked against the tool's input schema and the tool's own rules
-(:class:`~proxy.mcp.schema.ArgumentError`, JSON-RPC -32602, before anything is read or stored),
-then the work. What goes wrong in the work — nothing found, an unknown session or id (another
-user's is unknown too), memory disabled — is a :class:`ToolResult` with ``is_error``, told so
-the model can act on it.
+(:class:`~proxy.mcp.schema.ArgumentError`, before anything is read or stored), then the work.
+Arguments refused, and what goes wrong in the work — an unknown session or id (another user's is
+unknown too), nothing forgotten, memory disabled — are a :class:`ToolResult` with ``is_error``
+(a tool execution error, as the 2025-11-25 revision's SEP-1303 puts input validation errors), told
+so the model can correct its call; JSON-RPC errors are left to what the model cannot fix (an
+unknown tool, a malformed request: :mod:`proxy.mcp.dispatch`). A search that finds nothing is
+an answer, not an error: ``is_error`` false, saying so and what to try instead.
 
 Notes (``engram_remember``): tags and the session argument are kept in the note's own text, as
 ``(tags: a, b; session: s)`` on its last line, so that searches find them and the note reads
@@ -80,17 +83,29 @@ Runner = Callable[[Call, dict[str, Any]], Awaitable[ToolResult]]
 
 
 async def call_tool(services: Services, access: Access, name: str, arguments: Any) -> ToolResult:
-    """Run tool ``name`` (``KeyError`` when Engram has none of that name)."""
+    """Run tool ``name`` (``KeyError`` when Engram has none of that name); arguments it refuses
+    are a tool error (:func:`invalid_arguments`), not an exception."""
     schema = tools.definition(name, access.may_name_user)["inputSchema"]
-    args = validate(schema, {} if arguments is None else arguments)
-    call = Call(services, access.acting_for(args.pop("user", None)))
     try:
+        args = validate(schema, {} if arguments is None else arguments)
+        call = Call(services, access.acting_for(args.pop("user", None)))
         return await _RUNNERS[name](call, args)
+    except ArgumentError as exc:
+        return invalid_arguments(name, exc)
     except BadRequest as exc:  # a parameter the shared functions refuse
-        raise ArgumentError(exc.message, exc.param) from None
+        return invalid_arguments(name, ArgumentError(exc.message, exc.param))
     except EngramError as exc:
         hint = _HINTS.get(exc.code or "", "")
         return ToolResult(exc.message + hint, is_error=True)
+
+
+def invalid_arguments(name: str, error: ArgumentError) -> ToolResult:
+    """Arguments ``name`` refuses, as the tool error the model reads to correct its call."""
+    return ToolResult(
+        f"Invalid arguments for {name}: {error.message} Nothing was done; correct the "
+        "arguments and call it again.",
+        is_error=True,
+    )
 
 
 # --- the tools --------------------------------------------------------------------------------
@@ -108,8 +123,8 @@ async def _search(call: Call, args: dict[str, Any]) -> ToolResult:
     hits = await views.search(store, retriever, call.user, text, k=k, mode=mode, session=session)
     results = [views.hit_json(h) for h in hits]
     structured = {"user": call.user, "query": query, "mode": mode, "k": k, "results": results}
-    if not results:
-        return ToolResult(render.nothing_found(query, mode, session), structured, is_error=True)
+    if not results:  # an answer, not a failure
+        return ToolResult(render.nothing_found(query, mode, session), structured)
     return ToolResult(render.hits_text(query, mode, results), structured)
 
 

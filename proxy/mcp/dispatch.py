@@ -10,6 +10,14 @@ Notifications (``notifications/initialized`` and any other) and, before 2026-07-
 are accepted with a 202 and no body: Engram sends no requests and keeps no session, so there is
 nothing for them to change. Every session is stateless: a ``tools/call`` needs no ``initialize``
 first, and no ``Mcp-Session-Id`` is issued or asked for.
+
+A ``tools/call`` answers a JSON-RPC error (-32602) only for what the model cannot fix: an
+unknown tool, or a request that breaks ``CallToolRequest`` (``name`` missing or not a string,
+``arguments`` not an object). Arguments a known tool's input schema refuses are a result with
+``isError: true`` (:func:`proxy.mcp.calls.call_tool`), in every revision served: 2025-11-25 and
+2026-07-28 say so (SEP-1303: input validation errors are tool execution errors, so the model
+sees them and corrects its call); 2025-06-18 lists both "invalid arguments" (protocol error) and
+"invalid input data" (tool error), and SEP-1303 settled that ambiguity the same way.
 """
 
 from __future__ import annotations
@@ -43,7 +51,6 @@ from proxy.mcp.protocol import (
     parse_message,
     result_message,
 )
-from proxy.mcp.schema import ArgumentError
 
 log = logging.getLogger("engram.mcp")
 
@@ -167,12 +174,5 @@ async def _tools_call(params: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     arguments = params.get("arguments")
     if arguments is not None and not isinstance(arguments, dict):
         raise RpcError(INVALID_PARAMS, f"params.arguments of {name} must be an object.")
-    try:
-        result = await call(name, arguments)
-    except ArgumentError as exc:
-        raise RpcError(
-            INVALID_PARAMS,
-            f"Invalid arguments for {name}: {exc.message}",
-            {"tool": name, "argument": exc.argument},
-        ) from None
+    result = await call(name, arguments)  # arguments the tool refuses: an isError result
     return result.wire()

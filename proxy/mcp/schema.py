@@ -2,7 +2,8 @@
 (``type``, ``properties``, ``required``, ``additionalProperties: false``, ``enum``,
 ``minLength``/``maxLength``/``pattern``, ``minimum``/``maximum``, ``items``,
 ``minItems``/``maxItems``/``uniqueItems``), each violation told as a sentence naming the argument,
-what it takes and what came, for the -32602 answer the model reads.
+what it takes and what came, for the tool error (``isError: true``) the model reads to correct
+its call (:func:`proxy.mcp.calls.call_tool`).
 
 The schema a client is shown is the one enforced: one definition, no second list of rules.
 Strings come back with NULs and lone surrogates replaced (SQLite and UTF-8 take neither); an

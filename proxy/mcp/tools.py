@@ -135,8 +135,8 @@ TOOLS: tuple[dict[str, Any], ...] = (
         "an earlier session (the user's preferences, people, projects, decisions, names, "
         "numbers, how something was fixed before) or the user refers to the past. Returns the "
         "best matches with their text, who said it, when, in which session, and why they "
-        "ranked. Nothing found is reported as an error: try other words, mode 'fts' for exact "
-        "names and identifiers, 'vec' for meaning, or no session filter.",
+        "ranked. When nothing matches it says so (not an error): then try other words, mode "
+        "'fts' for exact names and identifiers, 'vec' for meaning, or no session filter.",
         {
             "query": {
                 "type": "string",

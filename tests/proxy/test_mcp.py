@@ -151,7 +151,7 @@ async def test_each_tool(engram: Engram, http: aiohttp.ClientSession, mode: str)
         assert only.structured_content is not None
         assert {h["session"] for h in only.structured_content["results"]} == {"bikes"}
         none = await client.call_tool("engram_search", {"query": "zeppelin", "mode": "fts"})
-        assert none.is_error and "Nothing in memory matches 'zeppelin'" in text(none)
+        assert not none.is_error and "Nothing in memory matches 'zeppelin'" in text(none)
 
         listed = await client.call_tool("engram_sessions", {"limit": 10})
         assert listed.structured_content is not None
@@ -260,8 +260,9 @@ async def test_two_users_keys_never_see_each_other(
             async with mcp_client(engram, {**bearer(bob), **headers}, "auto") as client:
                 for query in ("passport", "PIN 9090", "P-77001"):
                     r = await client.call_tool("engram_search", {"query": query})
-                    assert r.is_error and r.structured_content is not None
+                    assert not r.is_error and r.structured_content is not None
                     assert r.structured_content["results"] == []
+                    assert r.structured_content["user"] == "bob"
                 listed = await client.call_tool("engram_sessions", {})
                 assert listed.structured_content == {"user": "bob", "total": 0, "sessions": []}
                 for name in (said["session"], "notes~alice"):
@@ -272,9 +273,10 @@ async def test_two_users_keys_never_see_each_other(
                 assert guessed.structured_content["forgotten"] == []
                 whole = await client.call_tool("engram_forget", {"session": said["session"]})
                 assert whole.is_error
-                with pytest.raises(MCPError) as refused:  # no `user` argument for a user's key
-                    await client.call_tool("engram_search", {"query": "PIN", "user": "alice"})
-                assert refused.value.error.code == -32602
+                # no `user` argument for a user's key: the model is told, nothing is read
+                refused = await client.call_tool("engram_search", {"query": "PIN", "user": "alice"})
+                assert refused.is_error and refused.structured_content is None
+                assert "Unknown argument 'user'" in text(refused)
         assert rows(engram, "SELECT id FROM turns WHERE user_id = 'alice' ORDER BY id") == before
 
         # the admin token acts for the user its `user` argument names
@@ -288,7 +290,9 @@ async def test_two_users_keys_never_see_each_other(
             assert r.structured_content is not None
             assert [h["id"] for h in r.structured_content["results"]] == [note_id]
             r = await client.call_tool("engram_search", {"query": "PIN"})  # user "default"
-            assert r.is_error
+            assert not r.is_error and r.structured_content is not None
+            assert r.structured_content["user"] == "default"
+            assert r.structured_content["results"] == []
     finally:
         await engram.close()
 
@@ -371,9 +375,12 @@ async def test_a_hundred_concurrent_remembers_lose_and_duplicate_nothing(engram:
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_bad_arguments_get_precise_errors_and_store_nothing(
+async def test_bad_arguments_are_tool_errors_the_model_reads_and_store_nothing(
     engram: Engram, mode: str
 ) -> None:
+    """Issue 39: arguments a tool's schema refuses are a CallToolResult with isError and a
+    message naming the argument (SEP-1303), not a JSON-RPC error the SDK raises and the model
+    never sees; an unknown tool is still -32602."""
     bad: list[tuple[str, dict[str, Any], str]] = [
         ("engram_remember", {"text": "x" * (MAX_NOTE_CHARS + 1)}, f"at most {MAX_NOTE_CHARS}"),
         ("engram_remember", {"text": "   "}, "text must not be empty"),
@@ -387,7 +394,11 @@ async def test_bad_arguments_get_precise_errors_and_store_nothing(
             {"text": "y" * MAX_NOTE_CHARS, "tags": ["long"]},
             "text with its tags and session is",
         ),
-        ("engram_remember", {"text": "ok", "colour": "red"}, "Unknown argument 'colour'"),
+        (
+            "engram_remember",
+            {"text": "ok", "colour": "red"},
+            "Unknown argument 'colour': this tool takes text, tags, session",
+        ),
         ("engram_search", {"query": "q" * (MAX_QUERY_CHARS + 1)}, f"at most {MAX_QUERY_CHARS}"),
         ("engram_search", {"query": "cat", "k": 101}, "k must be an integer from 1 to 100"),
         ("engram_search", {"query": "cat", "k": 0}, "from 1 to 100"),
@@ -406,12 +417,46 @@ async def test_bad_arguments_get_precise_errors_and_store_nothing(
     ]
     async with mcp_client(engram, {"X-Engram-User": "erin"}, mode) as client:
         for name, arguments, says in bad:
-            with pytest.raises(MCPError) as raised:
-                await client.call_tool(name, arguments)
-            assert raised.value.error.code == -32602, (name, arguments)
-            assert says in raised.value.error.message, (raised.value.error.message, says)
+            result = await client.call_tool(name, arguments)  # no exception: a result
+            assert result.is_error is True, (name, arguments)
+            assert result.structured_content is None
+            told = text(result)
+            assert told.startswith(f"Invalid arguments for {name}: "), told
+            assert says in told and told.endswith("call it again."), (told, says)
         with pytest.raises(MCPError) as raised:
             await client.call_tool("engram_recall_everything", {})
         assert raised.value.error.code == -32602
         assert "Unknown tool 'engram_recall_everything'" in raised.value.error.message
+        # the model corrects its call and it goes through
+        fixed = await client.call_tool("engram_search", {"query": "cat", "k": 100})
+        assert not fixed.is_error
     assert rows(engram) == [(0,)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_search_that_finds_nothing_is_an_answer_not_an_error(
+    engram: Engram, mode: str
+) -> None:
+    """Issue 39: finding nothing is a valid answer; clients show isError results as errors."""
+    async with mcp_client(engram, {"X-Engram-User": "fay"}, mode) as client:
+        searches: list[dict[str, Any]] = [
+            {"query": "zeppelin"},  # an empty memory
+            {"query": "zeppelin", "mode": "fts"},  # words nothing has
+            {"query": "zeppelin", "mode": "fts", "session": "notes~fay"},
+        ]
+        for i, arguments in enumerate(searches):
+            if i == 1:
+                note = await client.call_tool("engram_remember", {"text": "Fay's cat is Miso"})
+                assert not note.is_error
+            none = await client.call_tool("engram_search", arguments)
+            assert none.is_error is False, arguments
+            assert none.structured_content is not None
+            assert none.structured_content["results"] == []
+            assert none.structured_content["user"] == "fay"
+            told = text(none)
+            assert told.startswith(f"Nothing in memory matches {arguments['query']!r}"), told
+            assert "Try other or fewer words" in told
+        assert "no session filter" in told  # the last one had a session filter
+        found = await client.call_tool("engram_search", {"query": "Miso", "mode": "fts"})
+        assert not found.is_error and found.structured_content is not None
+        assert len(found.structured_content["results"]) == 1

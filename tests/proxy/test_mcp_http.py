@@ -315,13 +315,10 @@ async def test_without_accounts_identity_headers_name_the_user(
     # a client's own API key names a user of its own, as on the chat routes
     keyed = await call(http, engram, "engram_sessions", {}, {"Authorization": "Bearer sk-mine"})
     assert keyed["structuredContent"]["user"].startswith("key-")
-    # without the admin token there is no `user` argument
-    answer = await post(
-        http,
-        engram,
-        request("tools/call", {"name": "engram_sessions", "arguments": {"user": "pia"}}),
-    )
-    assert error_of(answer)[0] == -32602 and "Unknown argument 'user'" in answer["error"]["message"]
+    # without the admin token there is no `user` argument: a tool error the model reads
+    refused = await call(http, engram, "engram_sessions", {"user": "pia"})
+    assert refused["isError"] and "structuredContent" not in refused
+    assert "Unknown argument 'user'" in refused["content"][0]["text"]
 
 
 async def test_the_admin_token_names_the_user(engram: Engram, http: aiohttp.ClientSession) -> None:
@@ -369,10 +366,9 @@ async def test_with_memory_disabled_tools_say_so(
         assert len((await post(http, engram, request("tools/list")))["result"]["tools"]) == 5
         result = await call(http, engram, "engram_remember", {"text": "anything"})
         assert result["isError"] and "Memory is disabled" in result["content"][0]["text"]
-        answer = await post(
-            http, engram, request("tools/call", {"name": "engram_remember", "arguments": {}})
-        )
-        assert error_of(answer)[0] == -32602  # bad arguments are still bad arguments
+        refused = await call(http, engram, "engram_remember", {})
+        assert refused["isError"]  # bad arguments are still bad arguments, told first
+        assert "text is required" in refused["content"][0]["text"]
     finally:
         await engram.close()
 
@@ -409,4 +405,56 @@ async def test_without_accounts_the_agents_chat_key_reaches_the_same_memory(
         {"query": "deploy key Fridays", "mode": "fts"},
         {"Authorization": "Bearer sk-other"},
     )
-    assert other["isError"]
+    assert not other["isError"] and other["structuredContent"]["results"] == []
+
+
+async def test_tool_errors_in_every_revision(engram: Engram, http: aiohttp.ClientSession) -> None:
+    """Issue 39, on the wire, in each revision served (2025-06-18, 2025-11-25, 2026-07-28):
+    arguments a known tool refuses are a result with isError (SEP-1303), a search that finds
+    nothing is a result without it, and only an unknown tool or a malformed tools/call is a
+    JSON-RPC error (-32602)."""
+
+    def send(
+        revision: str, name: object, arguments: object, status: int = 200
+    ) -> tuple[dict[str, Any], dict[str, str], int]:
+        params = {"name": name, "arguments": arguments}
+        if revision == MODERN:
+            body, headers = modern("tools/call", params, name=str(name))
+            return body, headers, status
+        return request("tools/call", params), {"MCP-Protocol-Version": revision}, status
+
+    for revision in ("2025-06-18", "2025-11-25", MODERN):
+        for name, arguments, says in (
+            ("engram_search", {"query": "cat", "k": 101}, "k must be an integer from 1 to 100"),
+            ("engram_search", {"query": "cat", "colour": "red"}, "Unknown argument 'colour'"),
+            ("engram_remember", {"text": 7}, "text must be a string; got an integer"),
+            ("engram_remember", {"text": "x" * 8001}, "text is 8001 characters; at most 8000"),
+            ("engram_session", {}, "session is required"),
+        ):
+            body, headers, status = send(revision, name, arguments)
+            answer = await post(http, engram, body, headers, status=status)
+            result = answer["result"]
+            assert result["isError"] is True and "structuredContent" not in result, answer
+            told = result["content"][0]["text"]
+            assert told.startswith(f"Invalid arguments for {name}: ") and says in told, told
+            assert ("resultType" in result) is (revision == MODERN)
+
+        body, headers, status = send(revision, "engram_search", {"query": "zeppelin"})
+        result = (await post(http, engram, body, headers, status=status))["result"]
+        assert result["isError"] is False and result["structuredContent"]["results"] == []
+        assert result["content"][0]["text"].startswith("Nothing in memory matches 'zeppelin'")
+
+        protocol_status = 400 if revision == MODERN else 200
+        malformed: list[tuple[str, object, str]] = [
+            ("engram_nope", {}, "Unknown tool 'engram_nope'"),
+            ("engram_search", [1], "params.arguments of engram_search must be an object"),
+            ("engram_search", "query=cat", "must be an object"),
+        ]
+        for name, arguments, says in malformed:
+            body, headers, status = send(revision, name, arguments, protocol_status)
+            answer = await post(http, engram, body, headers, status=status)
+            code, message = error_of(answer)
+            assert code == -32602 and says in message, (revision, answer)
+    store = engram.app[SERVICES].store
+    assert store is not None
+    assert await store.read(lambda c: c.execute("SELECT count(*) FROM turns").fetchone()) == (0,)
