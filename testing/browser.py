@@ -113,6 +113,16 @@ class Page:
         await self.evaluate(expression, timeout)
         await asyncio.wait_for(loaded, timeout)
 
+    async def viewport(self, width: int, height: int) -> None:
+        """Lay the tab out as a desktop window of ``width`` x ``height`` CSS pixels."""
+        await self.send(
+            "Emulation.setDeviceMetricsOverride",
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+
     async def text(self) -> str:
         """The page's visible text."""
         return str(await self.evaluate("document.body.innerText"))

@@ -1,7 +1,12 @@
 """The inspector's pictures as inline SVG (pure functions): a bar of a prompt's zones, a
 sparkline of memory-stage latency, a chart of tokens saved over time. Numbers only go into
 attributes and every text is escaped, so nothing stored can inject markup; the page's Content
-Security Policy allows no inline style or script, and SVG needs neither."""
+Security Policy allows no inline style or script, and SVG needs neither.
+
+``width`` and ``height`` are the drawing's coordinates (its viewBox) and the size it has where
+nothing says otherwise; the stylesheet fits each chart to its card (issue 39): the drawing
+stretches across (``preserveAspectRatio="none"``), keeping its height, and the lines keep
+their stroke (``vector-effect="non-scaling-stroke"``)."""
 
 from __future__ import annotations
 
@@ -44,7 +49,8 @@ def zone_bar(zones: Mapping[str, int], budget: int | None, width: int = 600) -> 
     label = f"{total} tokens" + (f" of a {budget}-token budget" if budget else "")
     return (
         f'<svg class="zonebar" role="img" aria-label="{escape(label)}" width="{width}" '
-        f'height="18" viewBox="0 0 {width} 18">{"".join(parts)}</svg>'
+        f'height="18" viewBox="0 0 {width} 18" preserveAspectRatio="none">'
+        f"{''.join(parts)}</svg>"
     )
 
 
@@ -59,8 +65,9 @@ def sparkline(values: Sequence[float], width: int = 240, height: int = 36) -> st
     )
     return (
         f'<svg class="spark" role="img" aria-label="{len(values)} values, max {top:.1f}" '
-        f'width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
-        f'<polyline fill="none" stroke="#2f7ed8" stroke-width="1.5" points="{points}"/></svg>'
+        f'width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'preserveAspectRatio="none"><polyline fill="none" stroke="#2f7ed8" stroke-width="1.5" '
+        f'vector-effect="non-scaling-stroke" points="{points}"/></svg>'
     )
 
 
@@ -81,7 +88,7 @@ def saved_chart(
         )
         return (
             f'<polyline class="{name}" fill="none" stroke="{colour}" stroke-width="1.5" '
-            f'points="{pts}"><title>{name}</title></polyline>'
+            f'vector-effect="non-scaling-stroke" points="{pts}"><title>{name}</title></polyline>'
         )
 
     sent = [s for _, s, _ in points]
@@ -89,7 +96,8 @@ def saved_chart(
     saved = sum(sent) - sum(fwd)
     return (
         f'<svg class="saved" role="img" aria-label="{saved} tokens saved over {len(points)} '
-        f'requests" width="{width}" height="{height}" viewBox="0 0 {width} {height}">'
+        f'requests" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        f'preserveAspectRatio="none">'
         f"{line(sent, '#c0392b', 'sent by the client')}"
         f"{line(fwd, '#27ae60', 'forwarded')}</svg>"
     )

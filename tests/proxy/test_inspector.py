@@ -180,6 +180,64 @@ async def test_a_request_drawn_as_zones_adds_up(
         await engram.close()
 
 
+# Where the page scrolls sideways and which chart (an svg, or the figure holding it) leaves
+# the card it is drawn in (its section, or its table cell in a list).
+CHARTS_FIT = """(() => {
+  const root = document.documentElement;
+  const out = {scroll: root.scrollWidth, width: root.clientWidth, charts: [], outside: []};
+  for (const chart of document.querySelectorAll('main svg, main figure')) {
+    const box = chart.getBoundingClientRect();
+    if (box.width === 0) continue;
+    const card = chart.closest('td, section') || chart.closest('main');
+    const edge = card.getBoundingClientRect();
+    const name = chart.tagName.toLowerCase() + '.' + (chart.getAttribute('class') || '')
+      + ' in ' + card.tagName.toLowerCase() + '#' + (card.id || '');
+    out.charts.push(name);
+    if (box.left < edge.left - 0.5 || box.right > edge.right + 0.5) {
+      out.outside.push({name, chart: [box.left, box.right], card: [edge.left, edge.right]});
+    }
+  }
+  return out;
+})()"""
+
+
+async def test_charts_fit_their_cards_at_1280_and_800_pixels(
+    browser: Chromium, fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Issue 39: the overview's sent-and-forwarded chart ran past its card at 1280 pixels and
+    the whole page scrolled sideways. Every page with charts, at 1280 and at 800 pixels: no
+    sideways scroll, every chart inside its card."""
+    engram = await seeded(fake, http)
+    try:
+        for i in range(4):
+            r = await chat(http, engram, f"Where does my sister Marta live? Asked {i} times.")
+        request_id = r.headers["X-Engram-Request-Id"]
+        await settle(engram)
+        page = await browser.open("about:blank")
+        await sign_in(page, engram, ADMIN)
+        for width in (1280, 800):
+            await page.viewport(width, 900)
+            for path, name in (
+                ("/", "overview"),
+                ("/requests", "requests"),
+                (f"/requests/{request_id}", "request"),
+            ):
+                await open_page(page, engram, path)
+                await page.screenshot(SHOTS / f"inspector-{name}-{width}.png")
+                fit = await page.evaluate(CHARTS_FIT)
+                where = (name, width, fit)
+                assert fit["scroll"] <= fit["width"], where  # no sideways scroll
+                assert fit["outside"] == [], where
+                drawn = " ".join(fit["charts"])
+                if name == "overview":
+                    assert "svg.saved in section#tokens" in drawn, where
+                    assert "svg.spark in section#latency" in drawn, where
+                else:
+                    assert "svg.zonebar" in drawn, where
+    finally:
+        await engram.close()
+
+
 async def test_forget_a_turn_gone_from_page_search_and_file(
     browser: Chromium, fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
