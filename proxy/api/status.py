@@ -125,6 +125,8 @@ async def metrics(request: web.Request) -> web.Response:
     if memory is not None:
         values.update(_store_metrics(memory.store))
         values["engram_turns_archived_total"] = memory.archived_turns
+        # single-shot requests quoting a live conversation: a client's side request
+        values["engram_client_tasks_total"] = memory.client_tasks
         indexer = memory.indexer
         values["engram_embed_failures_total"] = indexer.failures if indexer else 0
         values["engram_index_queue_turns"] = indexer.queued if indexer else 0

@@ -25,7 +25,7 @@ from proxy.background.handback import Handback
 from proxy.background.indexer import Indexer
 from proxy.background.summarizer import Summarizer
 from proxy.cache import SizedLRU
-from proxy.chat import claims
+from proxy.chat import claims, machinery
 from proxy.chat.api import Conversation
 from proxy.chat.archive import Archive
 from proxy.chat.identity import Identity, identify, is_housekeeping
@@ -44,6 +44,7 @@ from proxy.messages import anchor_length, chain_hashes, last_user_text
 from proxy.search.embedder import Embedder
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
+from proxy.store import queries
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
 from proxy.tokens import TokenCounter
@@ -104,6 +105,8 @@ class MemoryService:
         # The recent requests as forwarded, for the inspector (in memory only).
         self.recent = RecentRequests(settings.limits.last_prompts_bytes)
         self._throttle = Throttle()
+        # Single-shot requests that quoted a live conversation (a client's side request).
+        self.client_tasks = 0
         extra = settings.memory.housekeeping_patterns
         self._housekeeping = (
             re.compile("|".join(f"(?:{p})" for p in extra), re.I) if extra else None
@@ -154,6 +157,8 @@ class MemoryService:
         housekeeping = is_housekeeping(messages, self._housekeeping)
         write = mode in ("on", "write-only")
         recall = mode in ("on", "read-only")
+        if not housekeeping and machinery.single_shot(messages):
+            housekeeping = await self._quotes_live(ident.user, messages)
         # The query's embedding starts now, on the embedder's thread, while the conversation is
         # hashed and placed.
         query = self.recall.query_vector(messages) if recall and not housekeeping else None
@@ -226,6 +231,24 @@ class MemoryService:
         if write and a is not None and a.rewritten and mt.placement is not None:
             mt.summary_upto = a.window_start
         return mt
+
+    async def _quotes_live(self, user: str, messages: list[dict[str, Any]]) -> bool:
+        """Whether a single-shot request quotes a live conversation of this user: a client's
+        side request about it (:mod:`proxy.chat.machinery`), counted and logged."""
+        text = machinery.request_text(messages)
+        if len(text) < machinery.MIN_REPLY_CHARS:
+            return False
+        since = time.time() - machinery.LIVE_S
+        live = await self.store.read(
+            lambda c: queries.latest_turns(
+                c, user, since, machinery.MAX_SESSIONS, machinery.RECENT_TURNS
+            )
+        )
+        if not machinery.quotes_any(text, live):
+            return False
+        self.client_tasks += 1
+        log.debug("a request quoting a live conversation of %s: forwarded as sent", user)
+        return True
 
     async def release(self, mt: MemoryTurn) -> None:
         """Give back the position the request held, if its commit did not (the request ends
