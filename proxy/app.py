@@ -37,7 +37,7 @@ from proxy.inspector.routes import add_routes as add_inspector_routes
 from proxy.logs import event
 from proxy.mcp import access as mcp_access
 from proxy.mcp.http import add_mcp_routes
-from proxy.relay import read_body, relay
+from proxy.relay import BODY_TIMEOUT, read_body, relay
 from proxy.services import SERVICES, open_services
 from proxy.upstream import UpstreamInfo, forward_headers
 
@@ -56,6 +56,7 @@ def create_app(settings: Settings, upstream_info: UpstreamInfo | None = None) ->
         client_max_size=settings.server.max_body_bytes,
         middlewares=[_middleware(settings, apis)],
     )
+    app[BODY_TIMEOUT] = settings.limits.body_timeout
     if settings.server.cors_origins:
         app.on_response_prepare.append(
             guard.cors_hook(
@@ -125,6 +126,8 @@ def _middleware(
             return resp
         except EngramError as exc:
             status = exc.status
+            if exc.closes:
+                return await _answer_and_close(request, error_response(exc, shape_of(request.path)))
             return error_response(exc, shape_of(request.path))
         except web.HTTPRequestEntityTooLarge:
             status = 413
@@ -155,6 +158,22 @@ def _middleware(
                 )
 
     return middleware
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` now, then close the connection: its request's body was not read to the end
+    (it broke, or came too late), and aiohttp would otherwise keep the connection open after
+    the answer to read and drop the rest of that body, up to 10 s (lingering). The bytes written
+    go out before the socket closes."""
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    except ConnectionError:
+        pass  # the client is gone already
+    finally:
+        if request.protocol is not None:
+            request.protocol.force_close()
+    return resp
 
 
 def _adds_credential(settings: Settings) -> bool:

@@ -703,6 +703,15 @@ class LimitsSettings:
         "(Shared server: 0.15.)",
         min=0,
     )
+    body_timeout: float = opt(
+        60.0,
+        "Seconds a request's body may take to arrive, counted from when Engram starts reading "
+        "it (right after the headers). A body that stops short or trickles in slower gets a "
+        "408 (body_timeout) and the connection is closed; one that breaks (a bad chunk, a "
+        "connection cut mid-body) gets a 400 (unreadable_body) at once, also closed. 0: no "
+        "limit. (Shared server: 30.)",
+        min=0,
+    )
     last_prompts_bytes: int = opt(
         33_554_432,
         "Bytes of recently forwarded prompts kept in memory, for the inspector's Requests "

@@ -2,17 +2,22 @@
 
     EngramError                    any error Engram itself raises (status, type, code, param)
     ├── BadRequest                 400 invalid_request_error: the client sent something unusable
-    │   └── NestingLimitExceeded   400 a sub-agent nested deeper than sessions.max_depth
+    │   ├── NestingLimitExceeded   400 a sub-agent nested deeper than sessions.max_depth
+    │   └── BodyUnreadable         400 a request body that broke on the way (then closed)
     ├── Unauthorized               401 no credential, or one Engram does not know (auth)
     ├── Forbidden                  403 a Host header or origin Engram refuses; a key that may
     │                                  not do what it asks
     ├── NotFound                   404 an Engram route or object that does not exist
     │   └── ParentNotFound         404 X-Engram-Parent names no session of this user
+    ├── BodyTimeout                408 a request body slower than limits.body_timeout (then
+    │                                  closed)
     ├── PayloadTooLarge            413 a body over server.max_body_bytes
     ├── UpstreamUnavailable        502 the model server cannot be reached (not retryable)
     └── ServiceUnavailable         503 a part of Engram that is switched off (memory, slots)
 
 Upstream errors are never wrapped: they are relayed with the status and body the upstream sent.
+An error that ``closes`` the connection (the request's body was not read to its end, so nothing
+more can be read from it) is answered with ``Connection: close``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class EngramError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    closes = False  # answered with Connection: close (proxy.app closes it after the answer)
 
     def __init__(
         self,
@@ -73,6 +79,23 @@ class NestingLimitExceeded(BadRequest):
 
 class ParentNotFound(NotFound):
     code = "parent_not_found"
+
+
+class BodyUnreadable(BadRequest):
+    """The request's body broke after its headers (a bad chunk, a wrong length, a connection
+    cut mid-body, a compressed body that does not decompress)."""
+
+    code = "unreadable_body"
+    closes = True
+
+
+class BodyTimeout(EngramError):
+    """The request's body did not arrive within ``limits.body_timeout``."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "body_timeout"
+    closes = True
 
 
 class PayloadTooLarge(EngramError):
@@ -128,12 +151,15 @@ def error_response(exc: EngramError, shape: ErrorShape | None = None) -> web.Res
         body = shape(exc.status, exc.type, exc.message, exc.code, exc.param)
     else:
         body = error_body(exc.message, exc.type, exc.code, exc.param)
-    return web.Response(
+    response = web.Response(
         status=exc.status,
         body=json.dumps(body).encode(),
         content_type="application/json",
         headers=exc.headers,
     )
+    if exc.closes:
+        response.force_close()  # aiohttp sends Connection: close and keeps no connection alive
+    return response
 
 
 def sse_error_event(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:

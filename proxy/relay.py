@@ -1,4 +1,11 @@
-"""Relaying: read a client's body within the size limit, stream an upstream response back.
+"""Relaying: read a client's body within the size and time limits, stream an upstream response
+back.
+
+Every read of a request's body goes through :func:`body_read` (the chat and pass-through routes
+by :func:`read_body`, the admin API, the MCP endpoint and the inspector's forms directly): it gives
+the body ``limits.body_timeout`` to arrive, and a body that breaks on the way (a bad chunk, a
+length the connection closes short of) or comes too late is Engram's 400 or 408, after which the
+connection is closed, never a handler waiting on bytes that will not come.
 
 Bytes go back as they arrive, chunk by chunk, unbuffered. A ``tap`` sees a copy of every chunk
 (the chat pipeline reassembles the reply from it). When the client goes away the upstream
@@ -15,26 +22,118 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from proxy.errors import PayloadTooLarge, UpstreamUnavailable, sse_error_event
+from proxy.errors import (
+    BodyTimeout,
+    BodyUnreadable,
+    PayloadTooLarge,
+    UpstreamUnavailable,
+    sse_error_event,
+)
 from proxy.upstream import response_headers
+
+T = TypeVar("T")
+
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+"""``limits.body_timeout`` of the app (:func:`proxy.app.create_app` sets it; absent: no limit)."""
+
+# While a body is late, how often to look whether aiohttp's parser has given up on it.
+_PARSER_WATCH = 0.1
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole request body, or PayloadTooLarge past ``limit`` bytes."""
+    """The whole request body, or PayloadTooLarge past ``limit`` bytes (and :func:`body_read`'s
+    errors)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLarge(_too_large(declared, limit))
     try:
-        return await request.read()
+        return await body_read(request, request.read())
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(_too_large(None, limit)) from None
+
+
+async def body_read(request: web.Request, reading: Awaitable[T]) -> T:
+    """What ``reading`` (``request.read()``, ``request.post()``, a loop over
+    ``request.content``) returns, within ``limits.body_timeout`` of now: past it a
+    :class:`~proxy.errors.BodyTimeout` (408), and a :class:`~proxy.errors.BodyUnreadable` (400)
+    as soon as the body cannot be read. Both close the connection once answered (``closes``).
+
+    A body already whole (the usual case: it came with the headers) is read at once. One still
+    on its way is read in a task, watched: aiohttp 3.14's C parser, meeting a bad chunk size in
+    a body that arrives after the headers, drops the body without ending the stream the handler
+    reads from; it only queues the error as the connection's next message, answered after this
+    handler ends, so the read would wait until the client gave up (:func:`_parser_error`)."""
+    content = request.content
+    if content.is_eof():
+        try:
+            return await reading
+        except _BROKEN as exc:
+            raise _unreadable(exc) from None
+    loop = asyncio.get_running_loop()
+    timeout = request.app.get(BODY_TIMEOUT, 0.0)
+    deadline = loop.time() + timeout if timeout > 0 else None
+    task = asyncio.ensure_future(reading)
+    try:
+        while True:
+            wait = _PARSER_WATCH if deadline is None else min(_PARSER_WATCH, deadline - loop.time())
+            done, _ = await asyncio.wait((task,), timeout=max(wait, 0.0))
+            if done:
+                return task.result()
+            broken = _parser_error(request)
+            if broken is not None:
+                raise _unreadable(broken)
+            if deadline is not None and loop.time() >= deadline:
+                raise BodyTimeout(
+                    f"The request body did not arrive within {timeout:g} s (setting "
+                    "limits.body_timeout); the connection is closed."
+                )
+    except _BROKEN as exc:
+        raise _unreadable(exc) from None
+    finally:
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # seen: never logged as an exception nobody retrieved
+
+
+# What reading a body raises when the body breaks: aiohttp's parser errors (a bad chunk, a
+# length the stream ended short of), a body that does not decompress, the client gone mid-body.
+_BROKEN = (HttpProcessingError, web.RequestPayloadError, ConnectionResetError)
+
+
+def _unreadable(exc: BaseException) -> BodyUnreadable:
+    """The 400 for a body that broke, saying why in aiohttp's words, on one line."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+    why = cause.message if isinstance(cause, HttpProcessingError) else str(cause)
+    why = re.sub(r"^\d{3}, message:\s*", "", why.strip()).split("\n", 1)[0].strip().rstrip(":")
+    why = why or type(exc).__name__
+    return BodyUnreadable(f"The request body could not be read ({why}); the connection is closed.")
+
+
+def _parser_error(request: web.Request) -> HttpProcessingError | None:
+    """The parse error aiohttp met in this request's unfinished body, else None.
+
+    aiohttp queues a parse error as an error message on the connection (the private
+    ``RequestHandler._messages``); while this request's body is unfinished the parser cannot
+    have reached another request, so a queued error is this body's. Should aiohttp change that
+    queue, this finds nothing and such a body meets ``limits.body_timeout`` instead."""
+    if request.content.is_eof():
+        return None
+    queued = getattr(request.protocol, "_messages", None) or ()
+    for item in tuple(queued):
+        exc = getattr(item[0], "exc", None) if isinstance(item, tuple) and item else None
+        if isinstance(exc, HttpProcessingError):
+            return exc
+    return None
 
 
 def _too_large(size: int | None, limit: int) -> str:

@@ -60,6 +60,7 @@ from proxy.auth import PRINCIPAL, Principal, acting_user
 from proxy.background.stats import token_figures
 from proxy.errors import BadRequest, Forbidden, NotFound, ServiceUnavailable
 from proxy.jsonl import export_line
+from proxy.relay import body_read
 from proxy.services import SERVICES, MemoryParts
 from proxy.slots.refs import SLOT_ID
 from proxy.slots.store import SlotStore
@@ -315,7 +316,7 @@ async def export_handler(request: web.Request) -> web.StreamResponse:
 
 async def json_object(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
-    raw = await request.read()
+    raw = await body_read(request, request.read())
     if not raw.strip():
         raise BadRequest("Request body is empty; expected a JSON object.", code="invalid_json")
     try:

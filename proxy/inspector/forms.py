@@ -26,6 +26,7 @@ from proxy.inspector.web import (
     form,
     parts_of,
 )
+from proxy.relay import body_read
 from proxy.services import SERVICES
 
 _BACK = re.compile(r"/engram/[A-Za-z0-9_./~%-]*")
@@ -50,7 +51,7 @@ def _confirmed(data: Any) -> None:
 async def signout(request: web.Request) -> web.StreamResponse:
     """End the sign-in (a form with its csrf token; without one the sign-in stays)."""
     ws = current(request)
-    data = await request.post()
+    data = await body_read(request, request.post())
     if ws is not None and ws.csrf_ok(field(data, "csrf")):
         request.app[INSPECTOR].sessions.end(ws.id)
     raise web.HTTPSeeOther(

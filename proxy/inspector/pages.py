@@ -29,6 +29,7 @@ from proxy.inspector.web import (
 )
 from proxy.jsonl import export_line
 from proxy.masking import display_url
+from proxy.relay import body_read
 from proxy.search.fts_query import match_of, query_words
 from proxy.services import SERVICES
 from proxy.store import browse, corrections
@@ -73,7 +74,7 @@ async def signin_page(request: web.Request) -> web.StreamResponse:
 
 async def signin_post(request: web.Request) -> web.StreamResponse:
     """Check the credential as the admin API does, but never let loopback in without one."""
-    data = await request.post()
+    data = await body_read(request, request.post())
     token = data.get("token")
     auth = request.app[SERVICES].auth
     if not isinstance(token, str) or not token.strip() or len(token) > 512:

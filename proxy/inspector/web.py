@@ -30,6 +30,7 @@ from aiohttp import web
 from proxy.auth import acting_user
 from proxy.errors import EngramError, Forbidden, ServiceUnavailable, Unauthorized
 from proxy.inspector.signin import COOKIE, WebSession, WebSessions
+from proxy.relay import body_read
 from proxy.services import SERVICES, MemoryParts
 
 HERE = Path(__file__).parent
@@ -186,7 +187,7 @@ def form(fn: Callable[[web.Request, Visit, Any], Awaitable[web.StreamResponse]])
     @functools.wraps(fn)
     async def handler(request: web.Request) -> web.StreamResponse:
         request[STARTED] = time.perf_counter()
-        data = await request.post()
+        data = await body_read(request, request.post())
         try:
             v = await visit(request, field(data, "user"))
             if not v.ws.csrf_ok(field(data, "csrf")):

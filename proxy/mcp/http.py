@@ -27,7 +27,7 @@ from proxy.mcp.access import access_of
 from proxy.mcp.calls import ToolResult, call_tool
 from proxy.mcp.dispatch import Reply, answer
 from proxy.mcp.protocol import INVALID_REQUEST, PARSE_ERROR, RpcError, error_message
-from proxy.relay import encode_json
+from proxy.relay import body_read, encode_json
 from proxy.services import SERVICES
 
 MAX_BODY_BYTES = 1 << 20
@@ -71,7 +71,7 @@ async def mcp_handler(request: web.Request) -> web.StreamResponse:
     access = access_of(who, request.headers)
     services = request.app[SERVICES]
     limit = min(MAX_BODY_BYTES, services.settings.server.max_body_bytes)
-    raw = await _read(request, limit)
+    raw = await body_read(request, _read(request, limit))
     if raw is None:
         too_large = RpcError(
             INVALID_REQUEST,
