@@ -342,6 +342,7 @@ async def _open_memory(
     calibration = Calibration(store, tokens)  # what other processes learned of token counts
     await calibration.sync()
     memory.rewriter.unlearned = calibration.take
+    memory.rewriter.render_probe = upstream.rendered_tokens
     closing("saving the token corrections", calibration.sync)
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")

@@ -138,6 +138,13 @@ class TokenCounter:
             old = self._ratio.get(key)
             self._ratio[key] = sample if old is None else 0.8 * old + 0.2 * sample
 
+    def measured_rendered(self, model: str | None, share: float) -> None:
+        """The share of tool definitions ``model``'s template renders, as the upstream measured
+        it (its own template and tokenizer, :meth:`proxy.upstream.Upstream.rendered_tokens`):
+        taken as it is where nothing was learned yet."""
+        with self._lock:
+            self._rendered.setdefault(model or "", min(1.5, max(0.0, share)))
+
     def learned(self) -> dict[str, dict[str, float]]:
         """What :meth:`learn` has learned, to share with other processes on the database:
         ``{"ratio": {model: factor}, "rendered": {model: share}}``."""

@@ -284,6 +284,32 @@ class Upstream:
             self.info.context_size = size
         return size
 
+    async def rendered_tokens(self, messages: list[Any], tools: list[Any]) -> int | None:
+        """How many tokens the model server's chat template makes of ``messages`` with
+        ``tools``: llama-server's ``/apply-template``, then its ``/tokenize``. None from any
+        other upstream, or when it cannot say (an older server, a template that refuses)."""
+        if self.info.kind != "llamacpp":
+            return None
+        timeout = self.settings.probe_timeout
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        got = await _get_json(
+            self.session, "POST", join_url(self.base, "/apply-template"), timeout, body
+        )
+        prompt = (
+            got[1].get("prompt") if got and got[0] == 200 and isinstance(got[1], dict) else None
+        )
+        if not isinstance(prompt, str):
+            return None
+        got = await _get_json(
+            self.session, "POST", join_url(self.base, "/tokenize"), timeout, {"content": prompt}
+        )
+        tokens = (
+            got[1].get("tokens") if got and got[0] == 200 and isinstance(got[1], dict) else None
+        )
+        return len(tokens) if isinstance(tokens, list) else None
+
 
 @dataclass(slots=True)
 class _Attempt:

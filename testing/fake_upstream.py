@@ -197,6 +197,7 @@ class FakeUpstream:
         self._routes.update({("POST", path): self.responses.handle for path in RESPONSES_PATHS})
         if flavor == "llamacpp":
             self._routes[("POST", "/tokenize")] = self._tokenize
+            self._routes[("POST", "/apply-template")] = self._apply_template
         else:
             self._routes[("POST", "/api/chat")] = self._ollama_chat
 
@@ -434,6 +435,15 @@ class FakeUpstream:
             return payload
         n = rough_tokens(str(payload.get("content", "")))
         return web.json_response({"tokens": list(range(1, n + 1))})
+
+    async def _apply_template(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """llama-server's ``/apply-template``: the prompt its template makes (tools only when
+        ``renders_tools``)."""
+        payload = self._parse(body)
+        if isinstance(payload, web.Response):
+            return payload
+        tools = payload.get("tools") if self.renders_tools else None
+        return web.json_response({"prompt": rendered(payload.get("messages") or [], tools)})
 
     async def _ollama_chat(self, request: web.Request, body: bytes) -> web.StreamResponse:
         return await fake_ollama.chat(request, body, self.model)

@@ -109,6 +109,7 @@ async def metrics(request: web.Request) -> web.Response:
         "recall_timeout",  # … and full-text search too
         "too_many_messages",  # limits.max_messages
         "over_budget",  # the request alone fills the context: forwarded as sent
+        "no_room",  # memories found, none fitting in what the request leaves
         # what the model server said it computed and reused of the prompts (proxy.costs),
         # over the requests where it said both
         "upstream_prompt_reports",

@@ -29,7 +29,7 @@ from proxy.chat import claims, machinery
 from proxy.chat.api import Conversation
 from proxy.chat.archive import Archive
 from proxy.chat.identity import Identity, identify, is_housekeeping
-from proxy.chat.prompt import Assembly
+from proxy.chat.prompt import NO_ROOM, Assembly
 from proxy.chat.quota import TurnQuota
 from proxy.chat.recall import Recall
 from proxy.chat.recent import RecentRequests
@@ -221,6 +221,8 @@ class MemoryService:
                 context_size=conv.context_size,
                 rendered=conv.rendered,
             )
+            if mt.memory_note == NO_ROOM:
+                self._no_room(mt)
         finally:
             # The archive rows are made while the upstream answers; the commit writes them.
             if write and mt.placement is not None:
@@ -231,6 +233,24 @@ class MemoryService:
         if write and a is not None and a.rewritten and mt.placement is not None:
             mt.summary_upto = a.window_start
         return mt
+
+    def _no_room(self, mt: MemoryTurn) -> None:
+        """Say once per conversation (every 10 minutes) that memories were left out for room."""
+        where = mt.placement.session.id if mt.placement is not None else mt.identity.user
+        if not self._throttle.due("no_room", where):
+            return
+        a = mt.assembly
+        event(
+            log,
+            logging.WARNING,
+            "memories found but left out: the request leaves no room for them in the "
+            "upstream's context (tools and messages fill it; see the inspector's request page)",
+            user=mt.identity.user,
+            session=where,
+            budget=mt.budget,
+            prompt_tokens=a.tokens if a is not None else None,
+            model=mt.model,
+        )
 
     async def _quotes_live(self, user: str, messages: list[dict[str, Any]]) -> bool:
         """Whether a single-shot request quotes a live conversation of this user: a client's

@@ -327,6 +327,9 @@ class ChatPipeline:
         if self.memory.summarizer is not None:
             self.memory.summarizer.account_reply(usage)
         reported = usage.get("prompt_tokens") if usage else None
+        cost = turn.reply.cost if turn.reply else None
+        if not isinstance(reported, int) and cost is not None and cost.source == "timings":
+            reported = cost.total  # llama-server says it in every reply, asked for usage or not
         messages = turn.forwarded if turn.forwarded is not None else turn.conv.messages
         if turn.status != 200 or not isinstance(reported, int):
             return

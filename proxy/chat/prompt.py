@@ -37,6 +37,7 @@ SUMMARY_CLOSE = "</engram-summary>"
 SUMMARY_PREAMBLE = "Summary of the earlier part of this conversation (older turns are not shown):"
 # Assembly notes: what the assembler had to do (see :func:`assemble`).
 OVER_BUDGET = "over-budget"
+NO_ROOM = "no-room"  # memories were found, but the prompt left no room for any of them
 MEMORY_DROPPED = "memory-dropped"
 
 

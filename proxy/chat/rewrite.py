@@ -10,6 +10,7 @@ final assembly (:func:`proxy.chat.prompt.assemble`, pure) puts the memory block
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ from proxy.chat.fence import Recalled, block_tag, memory_block
 from proxy.chat.laying import UNLIMITED, Layer, user_chains
 from proxy.chat.prompt import (
     MEMORY_DROPPED,
+    NO_ROOM,
     OVER_BUDGET,
     Assembly,
     Message,
@@ -57,6 +59,8 @@ WINDOWS = 100_000  # sessions whose last window start is remembered
 MESSAGE_OVERHEAD = 300  # bytes a message dict holds besides its text
 BLOCK_SLACK = 16  # tokens left beside a memory block made to fit what the history leaves
 THREAD_TEXT = 20_000  # characters past which a first token count goes to a thread
+OPENAI_CHAT = "openai-chat"  # the chat API whose tools llama-server's template takes as sent
+RENDER_WAIT_S = 1.0  # how long a request waits, once per model, for the upstream's tool count
 
 
 def prompt_size(entry: tuple[float, Assembly]) -> int:
@@ -102,6 +106,10 @@ class Rewriter:
         # Read what other processes learned of a model's token counts, before budgeting a
         # request of a model not learned here (set by proxy.services; None: nothing to ask).
         self.unlearned: Callable[[], Awaitable[None]] | None = None
+        # How many tokens the upstream's template makes of messages and tools (llama-server's
+        # /apply-template and /tokenize; set by proxy.services), and the one ask per model.
+        self.render_probe: Callable[[list[Any], list[Any]], Awaitable[int | None]] | None = None
+        self._render_probes: dict[str, asyncio.Future[None]] = {}
 
     async def compose(
         self,
@@ -117,7 +125,8 @@ class Rewriter:
         s = self.settings
         budget = await self.budget(reply_tokens, mt.model, context_size)
         if budget is not None and rendered:
-            budget = max(0, budget - await self.rendered_tokens(rendered, mt.model))
+            tools = await self.rendered_tokens(rendered, mt.model, mt.api == OPENAI_CHAT)
+            budget = max(0, budget - tools)
         mt.budget = budget
         sizes = await self.message_sizes(mt)
         model = mt.model
@@ -202,6 +211,8 @@ class Rewriter:
             final = self.assemble(mt, kept, budget, count, count_text)
         if OVER_BUDGET in final.notes:  # as sent after all: nothing of it fits cut
             mt.injected, mt.memory_note = [], OVER_BUDGET
+        elif kept and not mt.injected and mt.memory_note is None:
+            mt.memory_note = NO_ROOM  # found, and none fits: said, not left to guess
         if view is not mt.messages:  # the client's own count, before its outputs became slots
             final.original_tokens = sum(count(m) for m in mt.messages)
         mt.assembly = final
@@ -248,15 +259,46 @@ class Rewriter:
         scope = mt.placement.session.id if mt.placement is not None else mt.identity.user
         return block_tag(self.fence_secret, scope)
 
-    async def rendered_tokens(self, rendered: Sequence[Any], model: str | None) -> int:
+    async def rendered_tokens(
+        self, rendered: Sequence[Any], model: str | None, ask: bool = False
+    ) -> int:
         """Tokens the upstream spends on ``rendered`` (tool definitions): their JSON's tokens,
         corrected for the model, times the share of them its chat template renders (learned
-        from the ``usage`` it reports: :meth:`proxy.tokens.TokenCounter.learn`)."""
+        from the ``usage`` it reports: :meth:`proxy.tokens.TokenCounter.learn`; ``ask``: tools
+        in chat completions' shape, which the upstream can be asked to count)."""
         t = self.tokens
         if not t.knows_rendered(model) and self.unlearned is not None:
             await self.unlearned()  # another process may have learned it (background.stats)
         raw = await self.rendered_raw(rendered)
+        if ask and not t.knows_rendered(model) and self.render_probe is not None and raw:
+            await self._measure_rendered(list(rendered), model, raw)
         return round(raw * t.factor(model) * t.rendered_share(model))
+
+    async def _measure_rendered(self, tools: list[Any], model: str | None, raw: int) -> None:
+        """Ask the upstream, once per model, how many tokens its template makes of these tools
+        (llama-server renders a one-word chat with and without them); waited for at most
+        ``RENDER_WAIT_S``, after which this request counts them all and the answer serves the
+        next. Usage reports correct it later (:meth:`proxy.tokens.TokenCounter.learn`)."""
+        key = model or ""
+        job = self._render_probes.get(key)
+        if job is None:
+            probe = self.render_probe
+            assert probe is not None
+
+            async def measure() -> None:
+                chat = [{"role": "user", "content": "hi"}]
+                with_tools = await probe(chat, tools)
+                without = await probe(chat, []) if with_tools is not None else None
+                if with_tools is not None and without is not None:
+                    share = max(0, with_tools - without) / (raw * self.tokens.factor(model))
+                    self.tokens.measured_rendered(model, share)
+                    log.info(
+                        "the upstream's template renders %.0f %% of %s's tools", share * 100, key
+                    )
+
+            job = self._render_probes[key] = asyncio.ensure_future(measure())
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(job), RENDER_WAIT_S)
 
     async def rendered_raw(self, rendered: Sequence[Any]) -> int:
         """Uncorrected tokens of ``rendered`` as JSON, remembered by its hash: clients send the

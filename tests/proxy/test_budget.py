@@ -13,6 +13,8 @@ fake upstream, each test one row of what the real agents showed:
 from __future__ import annotations
 
 import json
+import re
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.asyncio
 
 FACT = "My sister Marta lives in Porto and breeds Siamese cats."
 QUESTION = "Where does my sister Marta live?"
+ADMIN = "budget-admin-token-" + "x" * 24
 
 
 @pytest_asyncio.fixture
@@ -291,5 +294,85 @@ async def test_a_template_that_leaves_tools_out_is_learned_and_memories_come_bac
                     got.append(memories(r))
             assert got[0] == (0, "over-budget")  # tools counted: no room
             assert got[1][0] >= 1 and "Porto" in fake.requests[-1].body.decode()
+        finally:
+            await engram.close()
+
+
+def webui_request(stream: bool) -> dict[str, Any]:
+    """Open WebUI 0.12.4's shape: its built-in tools (36 definitions, about 25 KB of JSON) with
+    every chat request, streamed without asking for usage."""
+    return {
+        "model": "m",
+        "stream": stream,
+        "tools": [tool(f"builtin_{i}", 700) for i in range(36)],
+        "messages": [{"role": "user", "content": QUESTION}],
+    }
+
+
+async def test_the_upstream_counts_the_tools_its_template_renders_before_the_first_reply(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 38, item 4: a template that leaves tools out (SmolLM2's), and a client that never
+    asks for usage. llama-server says what its template makes of the tools (/apply-template,
+    /tokenize): the very first request gets its memories."""
+    caplog.set_level(logging.INFO, "engram.rewrite")
+    async with FakeUpstream(n_ctx=8192, enforce_ctx=True, renders_tools=False) as fake:
+        engram = await start_engram(fake.url)
+        try:
+            await tell_the_fact(http, engram)
+            headers = {"X-Engram-User": "u"}
+            for stream in (True, False):
+                body = webui_request(stream)
+                async with http.post(
+                    engram.url + "/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    assert memories(r)[0] >= 1, r.headers["X-Engram-Memories"]
+                    await r.read()
+                assert "Porto" in fake.chat_requests()[-1].body.decode()
+            asked = [r.path for r in fake.requests if r.path in ("/apply-template", "/tokenize")]
+            assert asked == ["/apply-template", "/tokenize"] * 2  # once: with and without tools
+        finally:
+            await engram.close()
+    assert "renders 0 % of" in caplog.text
+
+
+async def test_memories_left_out_for_room_are_said_so(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A template that renders the tools, in a context they nearly fill: the memories found do
+    not fit, and the reply says why (X-Engram-Memories: 0; no-room), once in the log per
+    conversation, and on the inspector's request page."""
+    async with FakeUpstream(n_ctx=8192, enforce_ctx=True) as fake:
+        engram = await start_engram(fake.url, memory={"admin_token": ADMIN})
+        try:
+            await tell_the_fact(http, engram)
+            caplog.clear()
+            body = webui_request(True)
+            body["tools"] = [tool(f"builtin_{i}", 570) for i in range(36)]  # all but a memory
+            headers = {"X-Engram-User": "u", "X-Engram-Session": "webui-chat"}
+            notes = []
+            for then in ("Does she still live there?", "And her cats, Siamese?"):
+                async with http.post(
+                    engram.url + "/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    notes.append(memories(r))
+                    request_id = r.headers["X-Engram-Request-Id"]
+                    await r.read()
+                body["messages"] += [
+                    fake.chat_requests()[-1].json()["messages"][-1] | {"role": "assistant"},
+                    {"role": "user", "content": then},
+                ]
+            assert notes == [(0, "no-room")] * 2
+            said = [m for m in caplog.messages if "left out" in m]
+            assert len(said) == 1, said  # once for the conversation
+            async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as web:
+                await web.post(engram.url + "/engram/signin", data={"token": ADMIN})
+                page = await web.get(f"{engram.url}/engram/requests/{request_id}?user=u")
+                html = await page.text()
+                assert "no-room" in html, re.sub(r"<[^>]+>", " ", html)
+            metrics = await (await http.get(engram.url + "/engram/metrics")).text()
+            assert "engram_no_room_total 2" in metrics
         finally:
             await engram.close()
