@@ -41,6 +41,7 @@ from proxy.keys import new_admin_token
 from proxy.logs import event
 from proxy.masking import display_url
 from proxy.paths import db_path, store_target
+from proxy.rendering import rendered_tokens
 from proxy.search.embedder import Embedder
 from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_embedder
 from proxy.search.retrieval import Retriever
@@ -342,7 +343,7 @@ async def _open_memory(
     calibration = Calibration(store, tokens)  # what other processes learned of token counts
     await calibration.sync()
     memory.rewriter.unlearned = calibration.take
-    memory.rewriter.render_probe = upstream.rendered_tokens
+    memory.rewriter.render_probe = functools.partial(rendered_tokens, upstream)
     closing("saving the token corrections", calibration.sync)
     # Turns archived but not indexed when Engram last stopped (a crash, a dead embedder).
     tasks.spawn(indexer.replay(), name="index-replay")

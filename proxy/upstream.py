@@ -284,32 +284,6 @@ class Upstream:
             self.info.context_size = size
         return size
 
-    async def rendered_tokens(self, messages: list[Any], tools: list[Any]) -> int | None:
-        """How many tokens the model server's chat template makes of ``messages`` with
-        ``tools``: llama-server's ``/apply-template``, then its ``/tokenize``. None from any
-        other upstream, or when it cannot say (an older server, a template that refuses)."""
-        if self.info.kind != "llamacpp":
-            return None
-        timeout = self.settings.probe_timeout
-        body: dict[str, Any] = {"messages": messages}
-        if tools:
-            body["tools"] = tools
-        got = await _get_json(
-            self.session, "POST", join_url(self.base, "/apply-template"), timeout, body
-        )
-        prompt = (
-            got[1].get("prompt") if got and got[0] == 200 and isinstance(got[1], dict) else None
-        )
-        if not isinstance(prompt, str):
-            return None
-        got = await _get_json(
-            self.session, "POST", join_url(self.base, "/tokenize"), timeout, {"content": prompt}
-        )
-        tokens = (
-            got[1].get("tokens") if got and got[0] == 200 and isinstance(got[1], dict) else None
-        )
-        return len(tokens) if isinstance(tokens, list) else None
-
 
 @dataclass(slots=True)
 class _Attempt:
@@ -383,7 +357,7 @@ def describe_connect_error(exc: BaseException, timeout: float) -> str:
     return text
 
 
-async def _get_json(
+async def get_json(
     session: aiohttp.ClientSession, method: str, url: URL, timeout: float, payload: Any = None
 ) -> tuple[int, Any] | None:
     try:
@@ -404,13 +378,13 @@ async def _get_json(
 
 async def identify(session: aiohttp.ClientSession, base: URL, timeout: float) -> str | None:
     """What answers at ``base``: 'llamacpp', 'ollama', 'openai', or None if nothing does."""
-    got = await _get_json(session, "GET", join_url(base, "/health"), timeout)
+    got = await get_json(session, "GET", join_url(base, "/health"), timeout)
     if got is None:
         return None  # nothing listens there
     status, body = got
     if status in (200, 503) and isinstance(body, dict) and "status" in body:
         return "llamacpp"
-    got = await _get_json(session, "GET", join_url(base, "/api/version"), timeout)
+    got = await get_json(session, "GET", join_url(base, "/api/version"), timeout)
     if got and got[0] == 200 and isinstance(got[1], dict) and "version" in got[1]:
         return "ollama"
     return "openai"
@@ -438,14 +412,14 @@ async def discover_context_size(
     """llama.cpp: GET /props → default_generation_settings.n_ctx;
     Ollama: POST /api/show → model_info["<arch>.context_length"] (num_ctx if set)."""
     if kind in ("llamacpp", "unknown", "openai"):
-        got = await _get_json(session, "GET", join_url(base, "/props"), timeout)
+        got = await get_json(session, "GET", join_url(base, "/props"), timeout)
         if got and got[0] == 200 and isinstance(got[1], dict):
             settings = got[1].get("default_generation_settings")
             n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
             if isinstance(n_ctx, int) and n_ctx > 0:
                 return n_ctx
     if kind == "ollama" and model:
-        got = await _get_json(
+        got = await get_json(
             session, "POST", join_url(base, "/api/show"), timeout, {"model": model}
         )
         if got and got[0] == 200 and isinstance(got[1], dict):

@@ -44,7 +44,7 @@ from proxy.messages import anchor_length, chain_hashes, last_user_text
 from proxy.search.embedder import Embedder
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
-from proxy.store import queries
+from proxy.store import live
 from proxy.store.store import Store
 from proxy.tasks import BackgroundTasks
 from proxy.tokens import TokenCounter
@@ -259,12 +259,12 @@ class MemoryService:
         if len(text) < machinery.MIN_REPLY_CHARS:
             return False
         since = time.time() - machinery.LIVE_S
-        live = await self.store.read(
-            lambda c: queries.latest_turns(
+        conversations = await self.store.read(
+            lambda c: live.latest_turns(
                 c, user, since, machinery.MAX_SESSIONS, machinery.RECENT_TURNS
             )
         )
-        if not machinery.quotes_any(text, live):
+        if not machinery.quotes_any(text, conversations):
             return False
         self.client_tasks += 1
         log.debug("a request quoting a live conversation of %s: forwarded as sent", user)

@@ -164,28 +164,6 @@ def longest_prefixes(
     return keys[0][2], length, [k[2] for k in keys if k[0] == length]
 
 
-def latest_turns(
-    conn: Connection, user_id: str, since: float, sessions: int, turns: int
-) -> list[list[tuple[str, str]]]:
-    """The latest ``turns`` user and assistant turns, (role, content) newest first, of each of
-    the user's ``sessions`` most recently active since ``since`` (what a client's side request
-    may quote: :mod:`proxy.chat.machinery`)."""
-    ids = conn.execute(
-        "SELECT id FROM sessions WHERE user_id = ? AND last_seen >= ?"
-        " ORDER BY last_seen DESC LIMIT ?",
-        (user_id, since, sessions),
-    ).fetchall()
-    found: list[list[tuple[str, str]]] = []
-    for (sid,) in ids:
-        rows = conn.execute(
-            "SELECT role, content FROM turns WHERE session_id = ?"
-            " AND role IN ('user', 'assistant') ORDER BY position DESC LIMIT ?",
-            (sid, turns),
-        ).fetchall()
-        found.append([(str(role), str(content)) for role, content in rows])
-    return found
-
-
 def set_session_indexed(conn: Connection, session_id: str, indexed: bool) -> None:
     conn.execute("UPDATE sessions SET indexed = ? WHERE id = ?", (int(indexed), session_id))
     # sqlite-vec updates metadata only through point lookups by primary key.
