@@ -244,7 +244,7 @@ class Archive:
             return True
         session, inserted = await self.store.write(commit)
         if claim is not None and claims is not None:
-            claims.released(claim)
+            claims.released(claim, stored=True)
         self.archived_turns += len(inserted)
         if self.on_repeated is not None and any(
             p.kind == "repeated" for _, r in inserted for p in r.scaffold

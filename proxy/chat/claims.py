@@ -38,12 +38,15 @@ import dataclasses
 import uuid
 from functools import partial
 
+from proxy.cache import LRU
 from proxy.chat.turn import Claim, Placement
 from proxy.store import leases, queries
 from proxy.store.db import Connection
 from proxy.store.models import Session
 from proxy.store.store import Store
 
+STORED_SESSIONS = 10_000
+"""Sessions whose last claimed position this process remembers (the most recent)."""
 CLAIM_TTL_S = 120.0
 """How long a shared claim holds without its release: longer than nearly any reply takes."""
 
@@ -83,8 +86,13 @@ def _take_shared(
     for sid in (placement.session.id, *placement.alike):
         name = position_name(sid, position)
         session = _session(conn, placement, sid)
-        if session is not None and leases.claim(conn, name, holder, now, CLAIM_TTL_S):
-            return dataclasses.replace(placement, session=session, alike=()), Claim(name, holder)
+        if session is None or not leases.claim(conn, name, holder, now, CLAIM_TTL_S):
+            continue
+        if queries.next_position(conn, sid) != position:  # stored meanwhile (after placing)
+            leases.release(conn, name, holder)
+            continue
+        claim = Claim(name, holder, sid, position)
+        return dataclasses.replace(placement, session=session, alike=()), claim
     return fork_of(placement, now), None
 
 
@@ -95,6 +103,9 @@ class Claims:
         self.store = store
         self.shared = shared
         self._held: dict[str, str] = {}  # name -> holder (one process)
+        # session -> the last position a claimed commit stored there (one process): a request
+        # placed before that commit, claiming after it, must not take the position again.
+        self._stored: LRU[str, int] = LRU(STORED_SESSIONS)
 
     async def take(self, placement: Placement, now: float) -> tuple[Placement, Claim | None]:
         """The placement to use and the claim it holds (None: it needs none, or it is a fork
@@ -107,7 +118,8 @@ class Claims:
         position = placement.next_position
         for sid in (placement.session.id, *placement.alike):
             name = position_name(sid, position)
-            if name in self._held:
+            taken = self._stored.get(sid)
+            if name in self._held or (taken is not None and taken >= position):
                 continue
             session = (
                 placement.session
@@ -117,7 +129,8 @@ class Claims:
             if session is None or name in self._held:  # forgotten, or taken meanwhile
                 continue
             self._held[name] = holder
-            return dataclasses.replace(placement, session=session, alike=()), Claim(name, holder)
+            claim = Claim(name, holder, sid, position)
+            return dataclasses.replace(placement, session=session, alike=()), claim
         return fork_of(placement, now), None
 
     def release_in(self, conn: Connection, claim: Claim) -> None:
@@ -125,10 +138,16 @@ class Claims:
         if self.shared:
             leases.release(conn, claim.name, claim.holder)
 
-    def released(self, claim: Claim) -> None:
-        """The claim is given back (after :meth:`release_in`'s transaction committed)."""
+    def released(self, claim: Claim, stored: bool = False) -> None:
+        """The claim is given back (after :meth:`release_in`'s transaction committed;
+        ``stored``: that commit stored the turn at the claimed position)."""
         claim.released = True
-        if not self.shared and self._held.get(claim.name) == claim.holder:
+        if self.shared:
+            return
+        last = self._stored.get(claim.session_id)
+        if stored and (last is None or last < claim.position):
+            self._stored[claim.session_id] = claim.position
+        if self._held.get(claim.name) == claim.holder:
             del self._held[claim.name]
 
     async def release(self, claim: Claim) -> None:

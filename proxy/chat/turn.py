@@ -36,6 +36,8 @@ class Claim:
 
     name: str
     holder: str
+    session_id: str = ""
+    position: int = -1
     released: bool = False
 
 
