@@ -1,8 +1,7 @@
 """Shared by the benchmarks: machine figures, an on-disk embedding cache, LoCoMo.
 
-Imported by the other ``bench`` modules (``bench.locomo``, ``bench.retrieval``, ``bench.replay``,
-``bench.tools``, ``bench.archive``), each run from the repository root as
-``python -m bench.<name>``.
+Imported by the other ``bench`` modules (and by ``tests/store/test_recall_quality.py``), each
+run from the repository root as ``python -m bench.<name>``.
 """
 
 from __future__ import annotations

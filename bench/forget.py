@@ -31,15 +31,34 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from bench.common import machine, machine_lines
-from bench.store import make_texts, make_vectors
 from proxy.store import NewTurn, Store, indexing, queries
 from proxy.store.db import Connection, connect
 from proxy.store.scrub import checkpoint, ensure_incremental_vacuum, fts_optimize
 
 PER_SESSION = 100
 BLOCK = 50
+DIM = 384
+Matrix = npt.NDArray[np.float32]
+
+
+def make_vectors(n: int, rng: np.random.Generator) -> Matrix:
+    """``n`` unit vectors shaped like sentence embeddings: a shared direction, topics, noise."""
+    mean = rng.normal(size=DIM)
+    topics = rng.normal(size=(256, DIM))
+    x = 0.5 * mean / np.linalg.norm(mean) + topics[rng.integers(0, 256, n)] / np.sqrt(DIM)
+    x = (x + rng.normal(size=(n, DIM)) / np.sqrt(DIM) * 0.8).astype(np.float32)
+    out: Matrix = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    return out
+
+
+def make_texts(n: int, rng: np.random.Generator) -> list[str]:
+    """``n`` texts of 25 Zipf-distributed words from a vocabulary of 20,000."""
+    vocab = [f"w{i}" for i in range(20_000)]
+    ranks = np.minimum(rng.zipf(1.3, size=(n, 25)) - 1, len(vocab) - 1)
+    return [" ".join(vocab[r] for r in row) for row in ranks]
 
 
 def ms(values: list[float]) -> dict[str, float]:
@@ -65,12 +84,12 @@ async def build(path: Path, turns: int) -> float:
             texts = [
                 f"{a} {b}"
                 for a, b in zip(
-                    make_texts(PER_SESSION, rng, None),
-                    make_texts(PER_SESSION, rng, None),
+                    make_texts(PER_SESSION, rng),
+                    make_texts(PER_SESSION, rng),
                     strict=True,
                 )
             ]
-            vecs = make_vectors(PER_SESSION, rng, None)
+            vecs = make_vectors(PER_SESSION, rng)
             rows = [
                 NewTurn(i, "user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(texts)
             ]
@@ -113,7 +132,7 @@ class ChatWrites:
         """Archive a new two-turn exchange (as the pipeline's commit); its ids and seconds."""
         self.n += 1
         sid, now = f"chat{self.n // 20}", time.time()
-        texts = make_texts(2, self.rng, None)
+        texts = make_texts(2, self.rng)
 
         def commit(c: Connection) -> list[int]:
             queries.get_or_create_session(
@@ -131,7 +150,7 @@ class ChatWrites:
     async def index(self, ids: list[int]) -> None:
         """What the indexer does after a commit: the FTS rows (not while a scrub merges), then
         the vectors."""
-        vecs = make_vectors(len(ids), self.rng, None)
+        vecs = make_vectors(len(ids), self.rng)
         await self.store.scrubber.fts_writable()
         await self.store.write(lambda c: indexing.index_deferred(c, ids))
         items = [(i, v, f"h{i}") for i, v in zip(ids, vecs, strict=True)]

