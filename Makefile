@@ -7,7 +7,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 E2E_STAMP := $(VENV)/.installed-e2e
 ARGS ?=
 
-.PHONY: run install dev e2e-deps browser-deps agents-deps test lint format typecheck bench config clean
+.PHONY: run install dev e2e-deps browser-deps agents-deps test lint format typecheck bench config docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,10 @@ bench: $(DEV_STAMP)
 ## Regenerate config/engram.toml from the settings model
 config: $(STAMP)
 	$(BIN)/python -m proxy config --defaults > config/engram.toml
+
+## Regenerate the pages made from the code: docs/configuration.md and docs/cli.md
+docs: $(STAMP)
+	$(BIN)/python -m scripts.docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1041,6 +1041,42 @@ def render_defaults() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_markdown() -> str:
+    """The text of ``docs/configuration.md``: every setting, its default and what it does, a
+    table per section (``make docs``; a test checks the page and the code agree)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated from proxy/config.py by `make docs`; a test checks that this page and",
+        "the code agree. Edit the settings' help there, not here. -->",
+        "",
+        "Every setting has a default; `config/engram.toml` lists them all as a file to copy.",
+        "Override them in a file passed with `--config`, with `ENGRAM_<SECTION>_<KEY>` environment",
+        "variables (e.g. `ENGRAM_SERVER_PORT=9000`), or with command-line flags, in that order.",
+        "An unknown key, a value of the wrong type or out of its range stops Engram at start with",
+        "a message naming the key. `engram config` prints the settings in effect.",
+    ]
+    for sec_name, cls in sections().items():
+        doc = " ".join((cls.__doc__ or "").split()).removeprefix(f"[{sec_name}] — ")
+        doc = doc[:1].upper() + doc[1:]
+        lines += ["", f"## [{sec_name}]", "", doc, "", "| key | default | takes | what it does |"]
+        lines.append("|---|---|---|---|")
+        for key, (fld, tp) in _fields(cls).items():
+            default = (
+                fld.default_factory()
+                if fld.default_factory is not dataclasses.MISSING
+                else fld.default
+            )
+            cells = [
+                f"`{key}`",
+                f"`{_toml_value(default)}`",
+                _describe(tp, fld.metadata),
+                str(fld.metadata["help"]),
+            ]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def as_dict(settings: Settings) -> dict[str, Any]:
     """Settings as plain data (for `engram config` and diagnostics)."""
     return dataclasses.asdict(settings)
