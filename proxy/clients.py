@@ -48,6 +48,11 @@ HOUSEKEEPING: tuple[str, ...] = (
     r"Given the following\.\.\. please reply with a title for the chat",
     # GitHub Copilot Chat (VS Code): chat titles.
     r"You are an expert in crafting pithy titles for chatbot conversations",
+    # aider 0.86: its commit messages and its summary of the chat history so far.
+    r"You are an expert software engineer that generates concise, one-line Git commit messages",
+    r"\*Briefly\* summarize this partial conversation about programming\.",
+    # Qwen Code 0.24: its managed-memory extraction, after each turn.
+    r"You are now acting as the managed memory extraction subagent",
 )
 HOUSEKEEPING_ANY_CASE: tuple[str, ...] = (
     # Open WebUI (lower case: matched against the text lower-cased, in any case).
@@ -80,6 +85,12 @@ BLOCKS: tuple[tuple[str, str, str], ...] = (
     ("instructions", r"<collaboration_mode>", "</collaboration_mode>"),
     # Claude Code: the caveat it puts before the output of local slash commands.
     ("instructions", r"<local-command-caveat>", "</local-command-caveat>"),
+    # aider 0.86: the edit format's instructions, appended to every message typed.
+    (
+        "instructions",
+        r"To suggest changes to a file you MUST return the entire content of the updated file\.",
+        "Reply in English.",
+    ),
 )
 
 MADE_UP: tuple[tuple[str, str], ...] = (
@@ -93,6 +104,15 @@ MADE_UP: tuple[tuple[str, str], ...] = (
     # wrote, not the user's words).
     ("handoff", r"\AThis session is being continued from a previous conversation"),
     ("handoff", r"\AAnother language model started to solve this problem"),
+    # aider 0.86: what stands for the turns it summarised.
+    ("handoff", r"\AI spoke to you previously about a number of things\."),
+    # aider 0.86: the example exchange and the file context it sends as the user, every request.
+    ("context", r"\AChange the greeting to be more casual\Z"),
+    ("context", r"\AI switched to a new code base\. Please don't consider the above files"),
+    ("context", r"\AI am not sharing any files that you can edit yet\."),
+    ("context", r"\AHere are summaries of some files present in my git repository\."),
+    ("context", r"\AI have \*added these files to the chat\* so you can go ahead and edit them\."),
+    ("context", r"\ADon't try and edit any existing code without asking me to add the files"),
 )
 
 

@@ -36,6 +36,18 @@ SYSTEM_ROLES = ("system", "developer")
 # them scanned every position: 21 ms for 100 kB), and its closing tag found by str.find, so a
 # text of unclosed openings costs one pass, not one per opening (1.5 s for 50 kB by regex).
 _BLOCKS = [(kind, re.compile(opening), close) for kind, opening, close in clients.BLOCKS]
+
+
+def _lead(opening: str) -> str:
+    """What a block's opening pattern starts with, as plain text: "<" for the tagged ones."""
+    if opening.startswith("<"):
+        return "<"
+    literal = re.match(r"(?:[^\\.^$*+?{}\[\]|()]|\\[^A-Za-z0-9])+", opening)
+    return re.sub(r"\\(.)", r"\1", literal.group(0)) if literal else opening[:1]
+
+
+# A text holding none of the openings' leads ("<", "To suggest changes…") has no block.
+_LEADS = frozenset(_lead(opening) for _, opening, _ in clients.BLOCKS)
 _TRAILING = re.compile(r"[ \t]*(?:\r?\n)*")
 _MADE_UP = [(kind, re.compile(pattern, re.DOTALL)) for kind, pattern in clients.MADE_UP]
 _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
@@ -56,7 +68,8 @@ def core_of(text: str) -> str:
 class Piece:
     """A piece of scaffolding cut out of a message's text."""
 
-    kind: str  # system | system-reminder | environment | instructions | retry | handoff | repeated
+    # system | system-reminder | environment | instructions | retry | handoff | context | repeated
+    kind: str
     text: str  # exactly as it stood, white space included
     at: int  # where it stood in the words (offsets into :attr:`Split.words`)
 
@@ -142,7 +155,7 @@ def split(role: str, text: str, known: Callable[[str], bool] | None = None) -> S
 def blocks(text: str) -> list[tuple[int, int, str]]:
     """``(start, end, kind)`` of the scaffolding blocks in ``text`` (with the blank space after
     each), in order, none overlapping."""
-    if "<" not in text:
+    if not any(lead in text for lead in _LEADS):
         return []
     spans: list[tuple[int, int, str]] = []
     for kind, opening, close in _BLOCKS:
