@@ -7,7 +7,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 E2E_STAMP := $(VENV)/.installed-e2e
 ARGS ?=
 
-.PHONY: run install dev e2e-deps browser-deps agents-deps test lint format typecheck bench config docs clean
+.PHONY: run install dev e2e-deps browser-deps agents-deps openwebui-deps test lint format typecheck bench config docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,10 +56,11 @@ browser-deps:
 		echo "note: no Chromium, and no root apt-get to install it: the browser test will skip"; \
 	fi
 
-## The real coding agents the agent tests drive (tests/agents): Claude Code, Codex and opencode at
-## the versions pinned in testing/agents.pins, from the npm registry (install scripts off), once per
-## pin set into ~/.cache/engram/agents/<pins>/ (about 1.2 GB). Without npm, Debian's is installed
-## when this runs as root with apt-get; else the tests skip (fail under CI=true).
+## The real coding agents the agent tests drive (tests/agents): Claude Code, Codex, opencode and
+## Qwen Code from the npm registry (install scripts off), aider from PyPI into its own virtualenv,
+## at the versions pinned in testing/agents.pins, once per pin set into
+## ~/.cache/engram/agents/<pins>/ (about 1.9 GB). Without npm, Debian's is installed when this
+## runs as root with apt-get; else the tests skip (fail under CI=true).
 agents-deps: $(BIN)/python
 	@command -v npm >/dev/null 2>&1 || \
 	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
@@ -68,8 +69,15 @@ agents-deps: $(BIN)/python
 	fi
 	$(BIN)/python -m testing.agents_install
 
+## Open WebUI for the app tests (tests/apps): the version pinned in testing/openwebui.pins, from
+## PyPI, into its own virtualenv (Python 3.11 or 3.12; torch as a CPU build when one is offered) in
+## ~/.cache/engram/openwebui/<version>/ (about 2.7 GB, 1.5-2.5 minutes the first time), counted
+## installed once it started offline. Without a suitable Python the tests skip (fail under CI=true).
+openwebui-deps: $(BIN)/python
+	$(BIN)/python -m testing.openwebui_install
+
 ## Run the whole test suite
-test: e2e-deps browser-deps agents-deps
+test: e2e-deps browser-deps agents-deps openwebui-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(DEV_STAMP)

@@ -1,5 +1,6 @@
-"""Real coding agents — Claude Code, Codex and opencode, from the npm registry — run one
-non-interactive turn at a time against a base URL on loopback (Engram, or the fake upstream).
+"""Real coding agents — Claude Code, Codex, opencode and Qwen Code from the npm registry, aider
+from PyPI — run one non-interactive turn at a time against a base URL on loopback (Engram, or the
+fake upstream).
 
     home = make_home(fake.url, "fake-model", parent=tmp_path)   # isolated HOME, configs written
     run = await run_claude(fake.url, "hi", home=home, cwd=work, model="fake-model")
@@ -10,8 +11,8 @@ non-interactive turn at a time against a base URL on loopback (Engram, or the fa
 The clients and their versions are pinned in ``testing/agents.pins``; :mod:`testing.agents_install`
 (``make agents-deps``) installs them with npm into a cache folder outside the checkout and finds
 them there (``ENGRAM_AGENTS_DIR`` overrides). Each ``run_*`` writes its client's config for the URL,
-model and limits it is given, so one home can hold all three clients, each keeping its own
-sessions for ``continue_`` / ``resume``.
+model and limits it is given, so one home can hold all the clients, each keeping its own
+sessions for ``continue_`` / ``resume`` (aider keeps its chat history in ``cwd``).
 
 Isolation: each run gets an environment built from scratch (only ``PATH`` comes from ours) with
 ``HOME``, ``XDG_*``, ``CODEX_HOME`` and ``TMPDIR`` inside the given home, every switch that stops
@@ -46,10 +47,12 @@ __all__ = [
     "agents_dir",
     "find_agents",
     "make_home",
+    "run_aider",
     "run_claude",
     "run_codex",
     "run_isolated",
     "run_opencode",
+    "run_qwen",
 ]
 
 API_KEY = "sk-test"
@@ -99,12 +102,15 @@ def make_home(
     limits: Limits | None = None,
     api_key: str = API_KEY,
 ) -> Path:
-    """A fresh home folder (a temporary one under ``parent``) with Codex's and opencode's
-    config files in it (Claude Code's is its environment, :func:`claude_env`). ``url`` is the
-    server's root (``fake.url``, ``engram.url``); each client adds its own ``/v1``."""
+    """A fresh home folder (a temporary one under ``parent``) with Codex's, opencode's, Qwen
+    Code's and aider's config files in it (Claude Code's is its environment, :func:`claude_env`).
+    ``url`` is the server's root (``fake.url``, ``engram.url``); each client adds its own
+    ``/v1``."""
     home = Path(tempfile.mkdtemp(prefix="engram-agent-home-", dir=parent))
     write_codex_config(home, url, model, limits=limits)
     write_opencode_config(home, url, model, limits=limits, api_key=api_key)
+    write_qwen_config(home, model, limits=limits)
+    write_aider_metadata(home, model, limits=limits)
     return home
 
 
@@ -221,6 +227,80 @@ OPENCODE_ENV = {
         "DISABLE_EMBEDDED_WEB_UI",
     )
 }
+
+
+def write_qwen_config(home: Path, model: str, *, limits: Limits | None) -> Path:
+    """``~/.qwen/settings.json``: the OpenAI-compatible auth (its URL and key come from the
+    environment, :func:`qwen_env`), the model, and no usage statistics (without
+    ``privacy.usageStatisticsEnabled = false`` it posts them to an aliyuncs.com RUM endpoint),
+    telemetry or update checks. ``limits`` become ``contextWindowSize`` and ``max_tokens``
+    (without them it asks for 32,000)."""
+    entry: dict[str, Any] = {"name": model}
+    if limits is not None:
+        entry["generationConfig"] = {
+            "contextWindowSize": limits.context,
+            "samplingParams": {"max_tokens": limits.output},
+        }
+    settings = {
+        "$version": 4,
+        "security": {"auth": {"selectedType": "openai"}},
+        "model": entry,
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"enableAutoUpdate": False},
+    }
+    path = home / ".qwen" / "settings.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+    return path
+
+
+def qwen_env(url: str, api_key: str) -> dict[str, str]:
+    return {"OPENAI_BASE_URL": url.rstrip("/") + "/v1", "OPENAI_API_KEY": api_key}
+
+
+def write_aider_metadata(home: Path, model: str, *, limits: Limits | None) -> Path:
+    """``~/.aider.model.metadata.json`` for ``openai/<model>``: with an entry for its model,
+    aider does not fetch litellm's price list from raw.githubusercontent.com (once a day, else).
+    ``limits`` become its ``max_input_tokens`` / ``max_output_tokens`` (sizing the repository
+    map and when it summarizes the chat history); aider sends no ``max_tokens``."""
+    entry: dict[str, Any] = {
+        "litellm_provider": "openai",
+        "mode": "chat",
+        "input_cost_per_token": 0,
+        "output_cost_per_token": 0,
+    }
+    if limits is not None:
+        entry |= {
+            "max_input_tokens": limits.context,
+            "max_output_tokens": limits.output,
+            "max_tokens": limits.output,
+        }
+    path = home / ".aider.model.metadata.json"
+    path.write_text(json.dumps({f"openai/{model}": entry}, indent=2) + "\n")
+    return path
+
+
+def aider_env(url: str, api_key: str) -> dict[str, str]:
+    return {
+        "OPENAI_API_BASE": url.rstrip("/") + "/v1",
+        "OPENAI_API_KEY": api_key,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm's own copy, not GitHub's
+        # Its commits (``git=True``): aider asks git for an author.
+        "GIT_AUTHOR_NAME": "Engram Test",
+        "GIT_AUTHOR_EMAIL": "test@engram.invalid",
+        "GIT_COMMITTER_NAME": "Engram Test",
+        "GIT_COMMITTER_EMAIL": "test@engram.invalid",
+    }
+
+
+AIDER_FLAGS = (
+    "--yes-always",
+    "--no-check-update",
+    "--no-analytics",
+    "--no-show-model-warnings",
+    "--no-show-release-notes",
+)
 
 
 # ---- running ------------------------------------------------------------------------------------
@@ -384,3 +464,58 @@ async def run_opencode(
     argv = [str(binary), "run", *(["--continue"] if continue_ else [])]
     env = _base_env(home) | OPENCODE_ENV
     return await run_isolated(argv, cwd=cwd, env=env, stdin=prompt, timeout=timeout)
+
+
+async def run_qwen(
+    url: str,
+    prompt: str,
+    *,
+    home: Path,
+    cwd: Path,
+    model: str,
+    continue_: bool = False,
+    limits: Limits | None = None,
+    api_key: str = API_KEY,
+    timeout: float = 180.0,
+    agents: Agents | None = None,
+) -> AgentRun:
+    """``qwen [--continue] <prompt>``: a prompt given as its argument runs one turn and exits
+    (on stdin it gets two newlines appended); ``--continue`` resumes the newest session of
+    ``cwd``. It prints the reply's text. After each turn it sends its memory-extraction request
+    ("You are now acting as the managed memory extraction subagent…"), with the conversation
+    in it."""
+    binary = (agents or find_agents())["qwen"]
+    write_qwen_config(home, model, limits=limits)
+    argv = [str(binary), *(["--continue"] if continue_ else []), prompt]
+    env = _base_env(home) | qwen_env(url, api_key)
+    return await run_isolated(argv, cwd=cwd, env=env, timeout=timeout)
+
+
+async def run_aider(
+    url: str,
+    prompt: str,
+    *,
+    home: Path,
+    cwd: Path,
+    model: str,
+    continue_: bool = False,
+    git: bool = False,
+    limits: Limits | None = None,
+    api_key: str = API_KEY,
+    extra: Sequence[str] = (),
+    timeout: float = 180.0,
+    agents: Agents | None = None,
+) -> AgentRun:
+    """``aider --model openai/<model> --message <prompt>`` with every question answered yes and
+    no update check, analytics or model warnings; ``--no-git`` unless ``git`` (``cwd`` a git
+    repository: then it sends a repository map, and a commit message request after each edit it
+    applies). ``continue_``: ``--restore-chat-history``, the earlier turns read back from
+    ``cwd``'s ``.aider.chat.history.md``. ``extra`` adds flags (``--max-chat-history-tokens``).
+    It prints a banner, the reply and what it did."""
+    found = agents or find_agents()
+    write_aider_metadata(home, model, limits=limits)
+    argv = [*found.command("aider"), "--model", f"openai/{model}", *AIDER_FLAGS]
+    argv += [*([] if git else ["--no-git"]), *(["--restore-chat-history"] if continue_ else [])]
+    argv += [*extra, "--message", prompt]
+    env = _base_env(home) | aider_env(url, api_key)
+    return await run_isolated(argv, cwd=cwd, env=env, timeout=timeout)

@@ -1,17 +1,22 @@
-"""Installs and finds the real coding agents that :mod:`testing.agents` runs: Claude Code, Codex
-and opencode at the versions pinned in ``testing/agents.pins``.
+"""Installs and finds the real clients that :mod:`testing.agents` runs: Claude Code, Codex,
+opencode and Qwen Code from the npm registry, aider from PyPI, at the versions pinned in
+``testing/agents.pins``.
 
 ``python -m testing.agents_install`` (``make agents-deps``) runs ``npm install`` with install
-scripts off into ``${XDG_CACHE_HOME:-~/.cache}/engram/agents/<client>-<version>_.../``: into a
-``.partial`` folder first, renamed into place once each client's binary answered ``--version``
-and the stamp ``engram-agents.json`` (the binaries chosen, the time npm took, the size) was
-written last, so an interrupted install never looks complete. A second install waits on a lock.
-``ENGRAM_AGENTS_DIR`` names another npm prefix to use instead (nothing is installed there).
+scripts off into ``${XDG_CACHE_HOME:-~/.cache}/engram/agents/<client>-<version>_.../``, and
+``pip install`` of each PyPI pin into its own virtualenv there (``pypi/<client>``: aider's
+dependencies conflict with Engram's), with a Python its package accepts (this one, else
+``python3.12`` … on PATH). All into a ``.partial`` folder first, renamed into place once each
+client answered ``--version`` and the stamp ``engram-agents.json`` (the binaries chosen, the time
+npm and pip took, the size) was written last, so an interrupted install never looks complete. A
+second install waits on a lock. ``ENGRAM_AGENTS_DIR`` names another npm prefix to use instead
+(nothing is installed there; PyPI clients are looked for in its ``pypi/<client>``).
 Claude Code and opencode run their native binaries from the platform packages (their ``.bin``
 wrappers are placeholders until a postinstall script copies the binary over them); the best one
-for this machine first (its libc, then AVX2 or the baseline build). Codex runs its ``.bin/codex``
-node launcher, which finds its platform package itself. Without npm it says so and succeeds:
-the agent tests then skip (fail under ``CI=true``).
+for this machine first (its libc, then AVX2 or the baseline build). Codex and Qwen Code run their
+``.bin`` node launchers. A PyPI client runs as ``<virtualenv>/bin/python -m <module>`` (its
+scripts' ``#!`` lines name the ``.partial`` folder). Without npm it says so and succeeds: the
+agent tests then skip (fail under ``CI=true``).
 
 Standard library only: the Makefile runs it before anything else is installed.
 """
@@ -31,9 +36,13 @@ from pathlib import Path
 
 PINS_FILE = Path(__file__).with_name("agents.pins")
 STAMP = "engram-agents.json"
-CLIENTS = ("claude", "codex", "opencode")
+CLIENTS = ("claude", "codex", "opencode", "qwen", "aider")
 # Inside each client's platform package (Codex's node launcher finds its own).
 NATIVE = {"claude": "claude", "opencode": "bin/opencode"}
+PYPI = "pypi:"  # a pin's package from PyPI, not npm
+# A PyPI client: the module ``python -m`` runs, and the Pythons its package accepts (best first).
+MODULES = {"aider": "aider"}
+PYTHONS = {"aider": ((3, 12), (3, 11), (3, 10))}  # aider-chat 0.86: Requires-Python <3.13,>=3.10
 
 
 class AgentsMissing(RuntimeError):
@@ -46,15 +55,24 @@ class Pin:
     package: str
     version: str
 
+    @property
+    def pypi(self) -> str | None:
+        """The PyPI distribution's name, for a PyPI pin."""
+        return self.package.removeprefix(PYPI) if self.package.startswith(PYPI) else None
+
 
 @dataclass(frozen=True)
 class Agents:
     root: Path
-    binaries: dict[str, Path]
+    binaries: dict[str, Path]  # a PyPI client's: its virtualenv's Python
     versions: dict[str, str]
 
     def __getitem__(self, client: str) -> Path:
         return self.binaries[client]
+
+    def command(self, client: str) -> list[str]:
+        """What runs ``client``: its binary, or ``python -m <module>`` for a PyPI client."""
+        return _command(client, self.binaries[client])
 
 
 def read_pins(path: Path = PINS_FILE) -> dict[str, Pin]:
@@ -93,6 +111,9 @@ def _cpu_has_avx2() -> bool:
 
 def _candidates(root: Path, pin: Pin) -> list[Path]:
     """The client's runnable binaries under the npm prefix ``root``, best first."""
+    if pin.pypi:
+        python = root / "pypi" / pin.client / "bin" / "python"
+        return [python] if python.exists() else []
     modules = root / "node_modules"
     if pin.client not in NATIVE:
         return [modules / ".bin" / pin.client]
@@ -111,16 +132,64 @@ def _candidates(root: Path, pin: Pin) -> list[Path]:
     return [p for p in found if p.is_file()]
 
 
-def _answers_version(binary: Path, version: str) -> bool:
+def _command(client: str, binary: Path) -> list[str]:
+    return [str(binary), "-m", MODULES[client]] if client in MODULES else [str(binary)]
+
+
+def _answers_version(command: list[str], version: str) -> bool:
     with tempfile.TemporaryDirectory(prefix="engram-agents-check-") as home:
         env = {**os.environ, "HOME": home, "CODEX_HOME": home, "XDG_CONFIG_HOME": home}
         try:
             done = subprocess.run(
-                [str(binary), "--version"], env=env, capture_output=True, text=True, timeout=120
+                [*command, "--version"], env=env, capture_output=True, text=True, timeout=120
             )
         except (OSError, subprocess.TimeoutExpired):
             return False
     return done.returncode == 0 and version in done.stdout
+
+
+def _python_version(python: str) -> tuple[int, int] | None:
+    try:
+        done = subprocess.run(
+            [python, "-c", "import sys; print(*sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    parts = done.stdout.split()
+    if done.returncode or len(parts) != 2:
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def find_python(accepted: tuple[tuple[int, int], ...]) -> str | None:
+    """A Python of an ``accepted`` version with ``venv``: this one, else one on PATH."""
+    candidates = [sys.executable] + [shutil.which(f"python{a}.{b}") or "" for a, b in accepted]
+    for python in filter(None, candidates):
+        if _python_version(python) in accepted:
+            done = subprocess.run([python, "-c", "import venv, ensurepip"], capture_output=True)
+            if done.returncode == 0:
+                return python
+    return None
+
+
+def _pip_install(root: Path, pin: Pin) -> bool:
+    """``pin``'s package from PyPI into its own virtualenv ``root/pypi/<client>``."""
+    accepted = PYTHONS[pin.client]
+    python = find_python(accepted)
+    if python is None:
+        versions = ", ".join(f"{a}.{b}" for a, b in accepted)
+        print(f"agents: {pin.package} needs Python {versions}: none found", file=sys.stderr)
+        return False
+    venv = root / "pypi" / pin.client
+    print(f"agents: pip install {pin.pypi}=={pin.version} ({python})", flush=True)
+    if subprocess.run([python, "-m", "venv", str(venv)]).returncode:
+        return False
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    pip += ["--no-input", "--quiet", f"{pin.pypi}=={pin.version}"]
+    return subprocess.run(pip).returncode == 0
 
 
 def find_agents(root: Path | None = None) -> Agents:
@@ -156,9 +225,9 @@ def _size(root: Path) -> int:
     return total
 
 
-def install() -> int:
+def install(pins_file: Path = PINS_FILE) -> int:
     """Install the pinned clients unless this pin set is already installed (0: done or no npm)."""
-    pins = read_pins()
+    pins = read_pins(pins_file)
     root = agents_dir(pins)
     if os.environ.get("ENGRAM_AGENTS_DIR"):
         try:
@@ -183,7 +252,7 @@ def install() -> int:
         partial = root.parent / f".{root.name}.partial"
         shutil.rmtree(partial, ignore_errors=True)  # what an interrupted install left
         partial.mkdir()
-        deps = {p.package: p.version for p in pins.values()}
+        deps = {p.package: p.version for p in pins.values() if not p.pypi}
         manifest = {"name": "engram-test-agents", "private": True, "dependencies": deps}
         (partial / "package.json").write_text(json.dumps(manifest, indent=2) + "\n")
         print(f"agents: npm install {' '.join(f'{k}@{v}' for k, v in deps.items())}", flush=True)
@@ -194,9 +263,19 @@ def install() -> int:
             print("agents: npm install failed", file=sys.stderr)
             return 1
         seconds = time.monotonic() - start
+        start = time.monotonic()
+        for pin in pins.values():
+            if pin.pypi and not _pip_install(partial, pin):
+                print(f"agents: pip install {pin.pypi}=={pin.version} failed", file=sys.stderr)
+                return 1
+        pip_seconds = time.monotonic() - start
         chosen: dict[str, str] = {}
         for pin in pins.values():
-            works = [b for b in _candidates(partial, pin) if _answers_version(b, pin.version)]
+            works = [
+                b
+                for b in _candidates(partial, pin)
+                if _answers_version(_command(pin.client, b), pin.version)
+            ]
             if not works:
                 print(f"agents: no working {pin.client} binary in {partial}", file=sys.stderr)
                 return 1
@@ -206,12 +285,14 @@ def install() -> int:
             "pins": {c: f"{p.package}@{p.version}" for c, p in pins.items()},
             "binaries": chosen,
             "npm_seconds": round(seconds, 1),
+            "pip_seconds": round(pip_seconds, 1),
             "bytes": size,
         }
         (partial / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")  # the stamp last
         shutil.rmtree(root, ignore_errors=True)  # a folder without a stamp is not an install
         partial.rename(root)
-    print(f"agents: installed into {root} (npm {seconds:.0f} s, {size / 2**20:.0f} MiB)")
+    took = f"npm {seconds:.0f} s, pip {pip_seconds:.0f} s"
+    print(f"agents: installed into {root} ({took}, {size / 2**20:.0f} MiB)")
     return 0
 
 
@@ -225,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         except AgentsMissing as exc:
             print(exc, file=sys.stderr)
             return 1
-        for client, path in found.binaries.items():
-            print(f"{client} {found.versions[client]} {path}")
+        for client in found.binaries:
+            print(f"{client} {found.versions[client]} {' '.join(found.command(client))}")
         return 0
     print("usage: python -m testing.agents_install [install | where]", file=sys.stderr)
     return 2

@@ -1,6 +1,7 @@
 """The real coding agents through Engram, in front of the fake upstream (issue 22): each test one
-row of what Claude Code, Codex and opencode showed, run as their users run them (``claude -p``,
-``codex exec``, ``opencode run``, a fact told in one run and asked in a new one, ``--continue``).
+row of what Claude Code, Codex, opencode, Qwen Code and aider showed, run as their users run them
+(``claude -p``, ``codex exec``, ``opencode run``, ``qwen "…"``, ``aider --message``, a fact told in
+one run and asked in a new one, ``--continue``).
 
 - A fact told in one run is recalled in a new one, and nothing of the clients' scaffolding
   (system prompts, agent lists, ``<system-reminder>``, ``<environment_context>``) is recalled, or
@@ -10,12 +11,19 @@ row of what Claude Code, Codex and opencode showed, run as their users run them 
   without Engram fits with it, the fake enforcing its context with tools rendered).
 - opencode's title request carries the conversation's session id: it is forwarded as sent and
   not archived into the conversation.
+- What a client sends for itself — Qwen Code's memory extraction after each turn, aider's
+  example conversation in every request, its history summary and commit message requests — is
+  not archived as the user's words and gets no memories (issue 38).
+
+The clients talk to a :class:`~testing.traffic.RecordingRelay` in front of Engram; with
+``ENGRAM_RECORD_TRAFFIC=1`` what they sent is saved in ``tests/data/clients/`` (``via: engram``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,10 +32,22 @@ import pytest
 import pytest_asyncio
 
 from proxy.chat.turn import ChatTurn
+from proxy.messages import content_text
 from proxy.services import SERVICES
-from testing.agents import Agents, make_home, run_claude, run_codex, run_opencode
+from testing.agents import (
+    Agents,
+    make_home,
+    run_aider,
+    run_claude,
+    run_codex,
+    run_opencode,
+    run_qwen,
+)
 from testing.fake_upstream import FakeUpstream
+from testing.gaps import known_gap
 from testing.harness import Engram, forwarded_memory, settle, start_engram
+from testing.traffic import RecordingRelay
+from tests.agents.conftest import Record
 
 pytestmark = pytest.mark.asyncio
 
@@ -65,6 +85,17 @@ async def engram(big: FakeUpstream) -> AsyncIterator[Engram]:
         yield e
     finally:
         await e.close()
+
+
+@pytest_asyncio.fixture
+async def relay(engram: Engram) -> AsyncIterator[RecordingRelay]:
+    """In front of Engram: records what the client sent, and Engram's answer headers."""
+    r = RecordingRelay(engram.url)
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.stop()
 
 
 def memories(turn: ChatTurn) -> int:
@@ -109,22 +140,32 @@ def assert_words_only(rows: list[tuple[str, str, str]]) -> None:
 
 
 async def test_claude_code_recalls_a_fact_and_never_its_scaffolding(
-    agents: Agents, engram: Engram, big: FakeUpstream, tmp_path: Path, work: Path
+    agents: Agents,
+    engram: Engram,
+    relay: RecordingRelay,
+    record: Record,
+    big: FakeUpstream,
+    tmp_path: Path,
+    work: Path,
 ) -> None:
-    home = make_home(engram.url, MODEL, parent=tmp_path)
-    run = await run_claude(engram.url, FACT, home=home, cwd=work, model=MODEL, agents=agents)
+    rec = record("claude", agents.versions["claude"], "engram", relay)
+    home = make_home(relay.url, MODEL, parent=tmp_path)
+    rec.run("new: the fact")
+    run = await run_claude(relay.url, FACT, home=home, cwd=work, model=MODEL, agents=agents)
     assert run.ok, run.report()
     await settle(engram)
     one_session = await scaffold_bytes(engram)
-    run = await run_claude(engram.url, QUESTION, home=home, cwd=work, model=MODEL, agents=agents)
+    rec.run("new: the question")
+    run = await run_claude(relay.url, QUESTION, home=home, cwd=work, model=MODEL, agents=agents)
     assert run.ok, run.report()
     assert memories(engram.turns[-1]) >= 1
     recalled = forwarded_memory(sent(big, "/v1/messages")[-1]["messages"])
     assert "Zorblax" in recalled
     assert_no_scaffolding_recalled(recalled)
     # --continue: every message Claude Code sent reaches the model.
+    rec.run("continue")
     run = await run_claude(
-        engram.url, "And what colour is she?", home=home, cwd=work, model=MODEL,
+        relay.url, "And what colour is she?", home=home, cwd=work, model=MODEL,
         continue_=True, agents=agents,
     )  # fmt: skip
     assert run.ok, run.report()
@@ -178,24 +219,33 @@ async def test_claude_codes_tools_are_counted_so_what_fits_directly_fits_through
 
 
 async def test_codex_keeps_its_current_environment_and_recalls_the_fact(
-    agents: Agents, engram: Engram, big: FakeUpstream, tmp_path: Path
+    agents: Agents,
+    engram: Engram,
+    relay: RecordingRelay,
+    record: Record,
+    big: FakeUpstream,
+    tmp_path: Path,
 ) -> None:
+    rec = record("codex", agents.versions["codex"], "engram", relay)
     old, new = tmp_path / "old-project", tmp_path / "new-project"
     old.mkdir()
     new.mkdir()
-    home = make_home(engram.url, MODEL, parent=tmp_path)
-    run = await run_codex(engram.url, FACT, home=home, cwd=old, model=MODEL, agents=agents)
+    home = make_home(relay.url, MODEL, parent=tmp_path)
+    rec.run("new: the fact")
+    run = await run_codex(relay.url, FACT, home=home, cwd=old, model=MODEL, agents=agents)
     assert run.ok, run.report()
     await settle(engram)
-    run = await run_codex(engram.url, QUESTION, home=home, cwd=new, model=MODEL, agents=agents)
+    rec.run("new: the question")
+    run = await run_codex(relay.url, QUESTION, home=home, cwd=new, model=MODEL, agents=agents)
     assert run.ok, run.report()
     assert memories(engram.turns[-1]) >= 1
     body = json.dumps(sent(big, "/v1/responses")[-1])
     assert "Zorblax" in body
     assert str(new) in body and str(old) not in body  # the current environment, not the old
     assert_no_scaffolding_recalled(body)
+    rec.run("resume")
     run = await run_codex(
-        engram.url, "And her colour?", home=home, cwd=new, model=MODEL, resume=True,
+        relay.url, "And her colour?", home=home, cwd=new, model=MODEL, resume=True,
         agents=agents,
     )  # fmt: skip
     assert run.ok, run.report()
@@ -208,10 +258,18 @@ async def test_codex_keeps_its_current_environment_and_recalls_the_fact(
 
 
 async def test_opencode_gets_memories_keeps_its_history_and_its_titles_stay_out(
-    agents: Agents, engram: Engram, big: FakeUpstream, tmp_path: Path, work: Path
+    agents: Agents,
+    engram: Engram,
+    relay: RecordingRelay,
+    record: Record,
+    big: FakeUpstream,
+    tmp_path: Path,
+    work: Path,
 ) -> None:
-    home = make_home(engram.url, MODEL, parent=tmp_path)
-    run = await run_opencode(engram.url, FACT, home=home, cwd=work, model=MODEL, agents=agents)
+    rec = record("opencode", agents.versions["opencode"], "engram", relay)
+    home = make_home(relay.url, MODEL, parent=tmp_path)
+    rec.run("new: the fact")
+    run = await run_opencode(relay.url, FACT, home=home, cwd=work, model=MODEL, agents=agents)
     assert run.ok, run.report()
     await settle(engram)
     chats = sent(big, "/v1/chat/completions")
@@ -219,7 +277,8 @@ async def test_opencode_gets_memories_keeps_its_history_and_its_titles_stay_out(
     # A new session asks: max_tokens 32,000 and still memories.
     other = tmp_path / "other"
     other.mkdir()
-    run = await run_opencode(engram.url, QUESTION, home=home, cwd=other, model=MODEL, agents=agents)
+    rec.run("new: the question")
+    run = await run_opencode(relay.url, QUESTION, home=home, cwd=other, model=MODEL, agents=agents)
     assert run.ok, run.report()
     turn = next(t for t in reversed(engram.turns) if "title generator" not in json.dumps(
         t.conv.messages[:1]))  # fmt: skip
@@ -227,8 +286,9 @@ async def test_opencode_gets_memories_keeps_its_history_and_its_titles_stay_out(
     assert "Zorblax" in json.dumps(turn.forwarded)
     # Two continues: every message opencode sends is forwarded.
     for prompt in ("She likes boxes.", "What does she like?"):
+        rec.run("continue")
         run = await run_opencode(
-            engram.url, prompt, home=home, cwd=other, model=MODEL, continue_=True,
+            relay.url, prompt, home=home, cwd=other, model=MODEL, continue_=True,
             agents=agents,
         )  # fmt: skip
         assert run.ok, run.report()
@@ -271,3 +331,251 @@ async def test_opencode_continue_in_a_small_context_keeps_every_message(
             assert len(turn.conv.messages) == 6  # system + three user turns and two replies
         finally:
             await engram.close()
+
+
+# ---- Qwen Code ---------------------------------------------------------------------------------
+
+QWEN_MEMORY = "You are now acting as the managed memory extraction subagent"
+
+
+def typed(last: str) -> str:
+    """What the user typed, from the last user message's text: after the reminders Qwen Code
+    puts before it, before the instructions aider puts after it."""
+    return last.rsplit("</system-reminder>", 1)[-1].strip().split("\n\n", 1)[0]
+
+
+def system_of(turn: ChatTurn) -> str:
+    first = turn.conv.messages[0] if turn.conv.messages else {}
+    return content_text(first.get("content")) if first.get("role") == "system" else ""
+
+
+def sessions_of(rows: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """Each stored session's roles, in order."""
+    out: dict[str, list[str]] = {}
+    for s, role, _ in rows:
+        out.setdefault(s, []).append(role)
+    return out
+
+
+def session_holding(rows: list[tuple[str, str, str]], words: str) -> str:
+    return next(s for s, role, content in rows if role == "user" and words in content)
+
+
+def assert_untouched(turns: list[ChatTurn]) -> None:
+    """Forwarded exactly as sent, with no memories."""
+    assert turns
+    for t in turns:
+        assert t.forwarded is None and memories(t) == 0, (t.response_headers, system_of(t)[:80])
+
+
+async def test_qwen_code_recalls_a_fact_keeps_its_history_and_its_memory_extraction_stays_out(
+    agents: Agents,
+    engram: Engram,
+    relay: RecordingRelay,
+    record: Record,
+    big: FakeUpstream,
+    tmp_path: Path,
+    work: Path,
+) -> None:
+    """Every run first (the traffic recorded whole), then what Engram made of it."""
+    big.reply_text = lambda last: f"echo: {typed(last)}"
+    rec = record("qwen", agents.versions["qwen"], "engram", relay)
+    home = make_home(relay.url, MODEL, parent=tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    runs = [
+        ("new: the fact", FACT, work, False),
+        ("new: the question", QUESTION, other, False),
+        ("continue", "And what colour is she?", other, True),
+    ]
+    own: list[ChatTurn] = []  # each run's last turn that is not its memory extraction
+    for label, prompt, cwd, continue_ in runs:
+        rec.run(label)
+        run = await run_qwen(
+            relay.url, prompt, home=home, cwd=cwd, model=MODEL, continue_=continue_,
+            agents=agents,
+        )  # fmt: skip
+        assert run.ok, run.report()
+        await settle(engram)
+        own.append([t for t in engram.turns if not system_of(t).startswith(QWEN_MEMORY)][-1])
+    # The question, in a new conversation: the fact recalled, nothing of Qwen Code's own.
+    asked = own[1]
+    assert QUESTION in json.dumps(asked.conv.messages[-1])
+    assert memories(asked) >= 1, asked.response_headers
+    recalled = forwarded_memory(asked.forwarded or [])
+    assert "Zorblax" in recalled
+    assert_no_scaffolding_recalled(recalled)
+    assert "Managed memory" not in recalled
+    # --continue: every message Qwen Code sent is forwarded.
+    turn = own[2]
+    forwarded = turn.forwarded if turn.forwarded is not None else turn.conv.messages
+    assert [m["role"] for m in forwarded] == [m["role"] for m in turn.conv.messages]
+    # Its memory extraction after each turn (the conversation, then its instruction as the
+    # user's message): forwarded as sent, no memories, not archived.
+    extractions = [t for t in engram.turns if system_of(t).startswith(QWEN_MEMORY)]
+    assert len(extractions) == 3
+    assert_untouched(extractions)
+    rows = await stored(engram)
+    assert_words_only(rows)
+    for _, _, content in rows:
+        assert "Managed memory has TWO directories" not in content
+        assert QWEN_MEMORY not in content
+    assert sum(FACT in c for _, r, c in rows if r == "user") == 1
+    # Two conversations: the fact's, and the question's continued.
+    with known_gap(
+        "issue 38, left open: Qwen Code's --continue resends the first user message without its "
+        "date reminder part, so its hash chain no longer matches the stored conversation"
+    ):
+        assert session_holding(rows, QUESTION) == session_holding(rows, "And what colour is she?")
+        assert sorted(len(v) for v in sessions_of(rows).values()) == [2, 4]
+
+
+# ---- aider -------------------------------------------------------------------------------------
+
+AIDER_SUMMARY = "*Briefly* summarize this partial conversation about programming."
+AIDER_COMMIT = "You are an expert software engineer that generates concise, one-line Git commit"
+# What aider writes in the user's place: its example conversation (every request), the
+# instructions after each message, the hand-over of a summarized history, its repository map
+# and the files it added.
+AIDER_OWN = (
+    "Change the greeting to be more casual",
+    "I switched to a new code base",
+    "I am not sharing any files that you can edit yet",
+    "To suggest changes to a file you MUST return",
+    "I spoke to you previously about a number of things",
+    "Here are summaries of some files present in my git repository",
+    "I have *added these files to the chat*",
+    "Don't try and edit any existing code without asking me",
+)
+
+
+def assert_nothing_of_aiders_own(text: str) -> None:
+    for mark in (*AIDER_OWN, AIDER_SUMMARY, AIDER_COMMIT):
+        assert mark not in text, (mark, text[:2000])
+
+
+async def test_aider_recalls_a_fact_keeps_its_history_and_its_own_words_stay_out(
+    agents: Agents,
+    engram: Engram,
+    relay: RecordingRelay,
+    record: Record,
+    big: FakeUpstream,
+    tmp_path: Path,
+    work: Path,
+) -> None:
+    """Every run first (the traffic recorded whole), then what Engram made of it."""
+    big.reply_text = lambda last: f"echo: {typed(last)}"
+    rec = record("aider", agents.versions["aider"], "engram", relay)
+    home = make_home(relay.url, MODEL, parent=tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    # The last run's history is past --max-chat-history-tokens: aider summarizes it first.
+    summarize = ["--max-chat-history-tokens", "20"]
+    runs = [
+        ("new: the fact", FACT, work, False, []),
+        ("new: the question", QUESTION, other, False, []),
+        ("continue", "And what colour is she?", other, True, []),
+        ("continue, history summarized", "She likes boxes.", other, True, summarize),
+    ]
+    firsts: list[int] = []  # each run's first turn
+    for label, prompt, cwd, continue_, extra in runs:
+        rec.run(label)
+        firsts.append(len(engram.turns))
+        run = await run_aider(
+            relay.url, prompt, home=home, cwd=cwd, model=MODEL, continue_=continue_,
+            extra=extra, agents=agents,
+        )  # fmt: skip
+        assert run.ok, run.report()
+        await settle(engram)
+    # The question, in a new chat: the fact recalled, nothing of aider's own.
+    asked = engram.turns[firsts[1]]
+    assert memories(asked) >= 1, asked.response_headers
+    recalled = forwarded_memory(asked.forwarded or [])
+    assert "Zorblax" in recalled
+    assert_nothing_of_aiders_own(recalled)
+    # --restore-chat-history: every message aider sent is forwarded.
+    turn = engram.turns[firsts[2]]
+    forwarded = turn.forwarded if turn.forwarded is not None else turn.conv.messages
+    assert [m["role"] for m in forwarded] == [m["role"] for m in turn.conv.messages]
+    # Its summary of the history: left alone.
+    summaries = [t for t in engram.turns[firsts[3] :] if system_of(t).startswith(AIDER_SUMMARY)]
+    assert len(summaries) == 1
+    assert_untouched(summaries)
+    rows = await stored(engram)
+    for _, _, content in rows:
+        assert_nothing_of_aiders_own(content)
+    assert sum(FACT in c for _, r, c in rows if r == "user") == 1
+    # The question's chat, continued from its history file, is one conversation.
+    with known_gap(
+        "issue 38, left open: aider's --restore-chat-history sends its history file's text, not "
+        "what it sent (no instructions, replies re-wrapped), so no stored conversation matches"
+    ):
+        assert session_holding(rows, QUESTION) == session_holding(rows, "And what colour is she?")
+
+
+def git(repo: Path, *args: str) -> str:
+    config = ["-c", "user.name=t", "-c", "user.email=t@t.invalid"]
+    done = subprocess.run(["git", *config, *args], cwd=repo, check=True, capture_output=True)
+    return done.stdout.decode()
+
+
+@pytest.fixture
+def repo(work: Path) -> Path:
+    """A git repository with one committed file."""
+    (work / "hello.py").write_text("def greet(name):\n    return 'hi ' + name\n")
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
+        git(work, *args)
+    return work
+
+
+EDIT = "Renamed.\n\nhello.py\n```\ndef salute(name):\n    return 'hi ' + name\n```\n"
+
+
+async def test_aiders_commit_messages_and_repository_map_stay_out(
+    agents: Agents,
+    engram: Engram,
+    relay: RecordingRelay,
+    record: Record,
+    big: FakeUpstream,
+    tmp_path: Path,
+    repo: Path,
+) -> None:
+    """In a git repository: its repository map in every request, and the commit message it
+    asks for after applying an edit (the request and the diff quoted): neither is archived
+    as the user's words or recalled; the commit message request gets no memories."""
+
+    def reply(last: str) -> str:
+        said = typed(last)
+        return EDIT if said.startswith("Rename greet") else f"echo: {said}"
+
+    big.reply_text = reply
+    rec = record("aider", agents.versions["aider"], "engram-git", relay)
+    home = make_home(relay.url, MODEL, parent=tmp_path)
+    rec.run("new: edit and commit")
+    run = await run_aider(
+        relay.url, "Rename greet to salute in hello.py, my favourite file.", home=home,
+        cwd=repo, model=MODEL, git=True, agents=agents,
+    )  # fmt: skip
+    assert run.ok, run.report()
+    assert "def salute" in (repo / "hello.py").read_text(), run.report()
+    await settle(engram)
+    rec.run("new: a question")
+    run = await run_aider(
+        relay.url, "Which file is my favourite?", home=home, cwd=repo, model=MODEL, git=True,
+        agents=agents,
+    )  # fmt: skip
+    assert run.ok, run.report()
+    await settle(engram)
+    commits = [t for t in engram.turns if system_of(t).startswith(AIDER_COMMIT)]
+    assert len(commits) == 1
+    assert_untouched(commits)
+    asked = engram.turns[-1]
+    assert memories(asked) >= 1, asked.response_headers
+    recalled = forwarded_memory(asked.forwarded or [])
+    assert "favourite file" in recalled
+    assert_nothing_of_aiders_own(recalled)
+    assert "+def salute" not in recalled
+    rows = await stored(engram)
+    for _, _, content in rows:
+        assert_nothing_of_aiders_own(content)
+    assert git(repo, "log", "--format=%s").splitlines()[0].startswith("echo:")
