@@ -72,7 +72,7 @@ from aiohttp import web
 import proxy
 from bench.common import machine, machine_lines
 from proxy.store import Store, queries
-from proxy.store.db import connect
+from proxy.store.sqlite.db import connect
 from testing.fake_upstream import FakeUpstream
 
 CODE_ROOT = Path(proxy.__file__).resolve().parent.parent  # the tree whose code is measured

@@ -25,8 +25,8 @@ import numpy as np
 
 from proxy.search.embedder import Embedder, Kind
 from proxy.store import NewTurn, Store, queries
-from proxy.store.db import database_info
 from proxy.store.models import EMBED_CHARS, index_text, text_hash
+from proxy.store.sqlite.db import database_info
 from proxy.vectors import Vector
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,8 +35,8 @@ import numpy.typing as npt
 
 from bench.common import machine, machine_lines
 from proxy.store import NewTurn, Store, indexing, queries
-from proxy.store.db import Connection, connect
-from proxy.store.scrub import checkpoint, ensure_incremental_vacuum, fts_optimize
+from proxy.store.sqlite.db import Connection, connect
+from proxy.store.sqlite.scrub import checkpoint, ensure_incremental_vacuum, fts_optimize
 
 PER_SESSION = 100
 BLOCK = 50

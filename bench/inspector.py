@@ -60,9 +60,9 @@ from proxy.background.consolidation import facts_session
 from proxy.search.embedder import HashEmbedder
 from proxy.store import Store, queries
 from proxy.store.corrections import notes_session, set_recall
-from proxy.store.db import Connection
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, embed_text, text_hash
+from proxy.store.sqlite.db import Connection
 from proxy.store.summaries import Summary, put_summary
 from proxy.vectors import Vector
 from testing.conversations import WORDS

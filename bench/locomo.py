@@ -64,7 +64,8 @@ from bench.common import (
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.retrieval import Retriever
-from proxy.store import Store, term_cache, vec_cache
+from proxy.store import Store
+from proxy.store.caches import term_cache, vec_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

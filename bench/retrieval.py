@@ -55,7 +55,7 @@ from proxy.search.embedder import DEFAULT_MODEL, FastEmbedEmbedder
 from proxy.search.fts_query import match_of, query_words
 from proxy.search.retrieval import Retriever
 from proxy.store import Store
-from proxy.store.search import QUANTIZED_ABOVE
+from proxy.store.sqlite.search_sql import QUANTIZED_ABOVE
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

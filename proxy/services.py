@@ -47,11 +47,11 @@ from proxy.search.model_check import ModelUnavailable, VectorsMismatch, usable_e
 from proxy.search.retrieval import Retriever
 from proxy.slots.store import SlotStore
 from proxy.store import queries
+from proxy.store.caches.warm import cache_split
 from proxy.store.changes import Deleted
-from proxy.store.lock import DatabaseBusy, DatabaseLock
-from proxy.store.pg.connection import PostgresUnavailable
+from proxy.store.postgres.connection import PostgresUnavailable
+from proxy.store.sqlite.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
-from proxy.store.warm import cache_split
 from proxy.tasks import BackgroundTasks, every, stop
 from proxy.tokens import TokenCounter, load_encoder
 from proxy.upstream import Upstream, UpstreamInfo, detect

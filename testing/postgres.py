@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import psycopg
 
-from proxy.store.pg.probe import VECTOR_PROBE
+from proxy.store.postgres.probe import VECTOR_PROBE
 from testing.redis_server import free_port
 
 SYSTEM_USER = "engram-pg"  # the account the server runs as when we are root

@@ -212,7 +212,7 @@ async def complete_handler(request: web.Request) -> web.Response:
 
 async def delete_handler(request: web.Request) -> web.Response:
     """Delete the session and all it produced now; its Redis slots and the scrub that makes the
-    bytes leave the files (:mod:`proxy.store.scrub`) follow in the background (drained at
+    bytes leave the files (:mod:`proxy.store.sqlite.scrub`) follow in the background (drained at
     shutdown)."""
     return await _act(
         request, lambda store, user: actions.forget_session(store, user, request.match_info["id"])

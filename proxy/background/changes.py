@@ -1,7 +1,7 @@
 """Pruning PostgreSQL's ``changes`` log, by one replica at a time.
 
 SQLite's log prunes itself (a trigger keeps the newest ``CHANGES_KEEP`` rows, migration 15).
-PostgreSQL's is pruned by age (:func:`proxy.store.pg.follow.prune`), by the code: each
+PostgreSQL's is pruned by age (:func:`proxy.store.postgres.follow.prune`), by the code: each
 replica's consolidation pass calls :meth:`ChangesPruner.run`, and the replica that holds the
 lease :data:`LEASE` prunes. It keeps the lease from pass to pass (claimed for :data:`PASSES`
 intervals, renewed at each), so the others are refused while it lives; once it dies, its lease
@@ -16,8 +16,8 @@ import time
 
 from proxy.logs import event
 from proxy.store import leases
-from proxy.store.db import Connection
-from proxy.store.pg import follow
+from proxy.store.postgres import follow
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 
 log = logging.getLogger("engram.changes")

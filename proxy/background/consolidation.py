@@ -46,7 +46,6 @@ from proxy.search.embedder import Embedder
 from proxy.search.fts_query import tokens as word_tokens
 from proxy.search.retrieval import Retriever
 from proxy.store import queries
-from proxy.store.db import Connection
 from proxy.store.feedback import (
     RecordedRequest,
     feedback_notes,
@@ -60,6 +59,7 @@ from proxy.store.feedback import (
 from proxy.store.items import fact_texts
 from proxy.store.models import RECALLED_ROLES, Turn
 from proxy.store.naming import create_named, facts_session_name
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 
 log = logging.getLogger("engram.consolidation")

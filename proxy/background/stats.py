@@ -25,7 +25,7 @@ from proxy.store.counters import (
     save_token_calibration,
     token_calibration,
 )
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 from proxy.tokens import TokenCounter
 

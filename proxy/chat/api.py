@@ -14,7 +14,7 @@ Adding a chat API is adding one adapter module (and its tests) and naming it in
 :func:`proxy.chat.apis.chat_apis`: the app routes its paths to a pipeline of its own, renders
 Engram's errors there in its shape (:meth:`ChatAPI.error_body`), and, when the upstream answers
 404 on its path, translates the request to chat completions and the reply back
-(:meth:`ChatAPI.to_chat`, :meth:`ChatAPI.from_chat`). :mod:`proxy.chat.openai_chat` is the first.
+(:meth:`ChatAPI.to_chat`, :meth:`ChatAPI.from_chat`). :mod:`proxy.chat.openai.adapter` is the first.
 """
 
 from __future__ import annotations

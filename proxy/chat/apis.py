@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from proxy.chat.anthropic import AnthropicMessages
+from proxy.chat.anthropic.adapter import AnthropicMessages
 from proxy.chat.api import ChatAPI
-from proxy.chat.ollama import OllamaChat
-from proxy.chat.openai_chat import OpenAIChat
-from proxy.chat.responses import OpenAIResponses
+from proxy.chat.ollama.adapter import OllamaChat
+from proxy.chat.openai.adapter import OpenAIChat
+from proxy.chat.responses.adapter import OpenAIResponses
 
 
 def chat_apis() -> list[ChatAPI]:

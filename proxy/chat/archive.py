@@ -33,8 +33,8 @@ from proxy.messages import content_text, extend_chain, without_lone_surrogates
 from proxy.redact import redact
 from proxy.store import scaffolds
 from proxy.store.blocks import put_block
-from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session, embed_text, text_hash
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 from proxy.tokens import estimate
 

@@ -41,8 +41,8 @@ from functools import partial
 from proxy.cache import LRU
 from proxy.chat.turn import Claim, Placement
 from proxy.store import leases, queries
-from proxy.store.db import Connection
 from proxy.store.models import Session
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 
 STORED_SESSIONS = 10_000

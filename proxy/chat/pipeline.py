@@ -1,7 +1,7 @@
 """One chat turn: parse → memory stages (identify, place, recall, rewrite) → forward → archive.
 
 The pipeline speaks to its chat API through an adapter (:mod:`proxy.chat.api`; OpenAI chat is
-:mod:`proxy.chat.openai_chat`). The body is opaque: only the messages (and ``tools`` when Engram
+:mod:`proxy.chat.openai.adapter`). The body is opaque: only the messages (and ``tools`` when Engram
 adds its own) may change; every other field, unknown vendor fields and nulls included, reaches
 the upstream as sent. When nothing changed the client's exact bytes are forwarded. The reply is
 relayed as it arrives and reassembled on the side by the adapter's reader. When the upstream
@@ -28,7 +28,7 @@ from proxy import guard
 from proxy.auth import ANONYMOUS, PRINCIPAL
 from proxy.chat.api import ChatAPI, ContinuesReplies, ReplyTranslator
 from proxy.chat.memory import TOO_MANY_MESSAGES, MemoryService
-from proxy.chat.openai_chat import OpenAIChat
+from proxy.chat.openai.adapter import OpenAIChat
 from proxy.chat.turn import ChatTurn, MemoryTurn
 from proxy.chat.wire import CostTap
 from proxy.config import Settings

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from proxy.chat.turn import Placement
 from proxy.errors import NestingLimitExceeded, ParentNotFound
 from proxy.store import queries, twins
-from proxy.store.db import Connection
 from proxy.store.models import NewTurn, Session
 from proxy.store.naming import RESERVED_PREFIXES, create_named, free_session_id, named_session
+from proxy.store.sqlite.db import Connection
 
 log = logging.getLogger("engram.sessions")
 

@@ -37,8 +37,8 @@ from proxy.search.retrieval import Retriever
 from proxy.slots.figures import offline_stats
 from proxy.store.backend import display
 from proxy.store.counters import memory_counts
-from proxy.store.lock import DatabaseBusy, DatabaseLock
-from proxy.store.pg.reindex_lock import PgReindexLock
+from proxy.store.postgres.reindex_lock import PgReindexLock
+from proxy.store.sqlite.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
 
 Command = Callable[[argparse.Namespace, Settings, Store], Awaitable[int]]

@@ -24,7 +24,7 @@ from proxy.search.embedder import DEFAULT_MODEL, PREVIOUS_DEFAULT
 from proxy.search.loading import ModelUnavailable, load_embedder
 from proxy.search.model_check import REINDEX, mismatch_message
 from proxy.store.backend import display, is_url
-from proxy.store.db import database_info
+from proxy.store.sqlite.db import database_info
 from proxy.store.store import Store
 from proxy.store.vectable import vector_state
 from proxy.upstream import LLAMACPP_DEFAULT, OLLAMA_DEFAULT, Upstream, detect

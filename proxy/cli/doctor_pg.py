@@ -7,7 +7,8 @@ schema's version, one line each.
   ``-march=native`` for another CPU kills the backend with SIGILL there, and the line says so);
   not yet installed is fine only where Engram's first start can create it (a superuser, schema
   not made yet), otherwise the line says who must run ``CREATE EXTENSION vector``.
-- ``schema``: the schema's version is this Engram's (:func:`proxy.store.pg.migrate.latest_version`);
+- ``schema``: the schema's version is this Engram's
+(:func:`proxy.store.postgres.migrate.latest_version`);
   behind or ahead fails, naming both versions. No schema yet is fine (made at first start).
 
 The URL is shown as :func:`proxy.store.backend.display` shows it: no user, no password.
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from proxy.cli.checks import Check
 from proxy.redact import redact
 from proxy.store.backend import display
-from proxy.store.pg.connection import redact_error
-from proxy.store.pg.migrate import latest_version
-from proxy.store.pg.probe import ServerFacts, facts_reached, server_facts
+from proxy.store.postgres.connection import redact_error
+from proxy.store.postgres.migrate import latest_version
+from proxy.store.postgres.probe import ServerFacts, facts_reached, server_facts
 
 
 @dataclass(frozen=True)

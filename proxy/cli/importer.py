@@ -34,7 +34,6 @@ from proxy.jsonl import (
 )
 from proxy.search.embedder import Embedder
 from proxy.store import scaffolds
-from proxy.store.db import Connection
 from proxy.store.items import next_item_position
 from proxy.store.models import (
     NewTurn,
@@ -46,6 +45,7 @@ from proxy.store.models import (
     text_hash,
 )
 from proxy.store.naming import create_named, named_session
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 from proxy.tokens import estimate
 from proxy.vectors import Vector

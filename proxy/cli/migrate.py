@@ -15,8 +15,8 @@ from pathlib import Path
 
 from proxy.cli.progress import Progress
 from proxy.store import backend
-from proxy.store.db import Connection
-from proxy.store.lock import DatabaseBusy, DatabaseLock
+from proxy.store.sqlite.db import Connection
+from proxy.store.sqlite.lock import DatabaseBusy, DatabaseLock
 from proxy.store.transfer import Refused, Report, migrate, parse_target
 
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except Exception as exc:  # a driver's error: its first line never holds a password
         progress.close()
-        from proxy.store.pg.connection import redact_error
+        from proxy.store.postgres.connection import redact_error
 
         print(f"engram: migrate failed: {redact_error(exc)}", file=sys.stderr)
         return 1

@@ -21,10 +21,11 @@ text is copied), on every core: several model sessions embed different batches a
 
 Nothing else may write vectors meanwhile (a server's embedder would write the old model's
 vectors beside the new ones, and search the new ones with the old model's queries): ``engram
-serve`` and ``engram import`` hold a shared lock beside the database (:mod:`proxy.store.lock`)
+serve`` and ``engram import`` hold a shared lock beside the database
+(:mod:`proxy.store.sqlite.lock`)
 and reindex needs it alone, so each refuses to start while the other runs. On PostgreSQL the lock
 is an advisory one, and reindex also refuses while another Engram process is connected
-(:mod:`proxy.store.pg.reindex_lock`). Turns stored without
+(:mod:`proxy.store.postgres.reindex_lock`). Turns stored without
 vectors meanwhile are picked up before the swap, which checks inside its own transaction that
 none is left.
 """
@@ -49,10 +50,10 @@ from proxy.search.embedder import Embedder
 from proxy.search.loading import ModelUnavailable, load_embedder
 from proxy.store import vectable
 from proxy.store.backend import display
-from proxy.store.lock import DatabaseBusy, DatabaseLock
 from proxy.store.models import embed_text, text_hash
-from proxy.store.pg.connection import PostgresUnavailable
-from proxy.store.pg.reindex_lock import PgReindexLock
+from proxy.store.postgres.connection import PostgresUnavailable
+from proxy.store.postgres.reindex_lock import PgReindexLock
+from proxy.store.sqlite.lock import DatabaseBusy, DatabaseLock
 from proxy.store.store import Store
 from proxy.vectors import Vector
 

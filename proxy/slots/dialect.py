@@ -9,8 +9,8 @@ the final reply's fix-up (internal calls dropped, usage summed, the stop reason 
 what the client got), and a :class:`StreamRound` per streamed round, which relays the round's
 events minus the internal calls and holds back the round's ending. A chat API adapter offers
 expansion by having ``expansion = True`` and an ``expansion_dialect()`` (:class:`Expands`);
-OpenAI chat's dialect is :mod:`proxy.chat.openai_expand`, Anthropic's
-:mod:`proxy.chat.anthropic_expand`, Ollama's :mod:`proxy.chat.ollama_expand`.
+OpenAI chat's dialect is :mod:`proxy.chat.openai.expand`, Anthropic's
+:mod:`proxy.chat.anthropic.expand`, Ollama's :mod:`proxy.chat.ollama.expand`.
 
 A dialect also says how its streams are framed: which content type is a stream, the parser
 that turns a stream's bytes into events (:class:`SSEFraming`: server-sent events; Ollama's

@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 
 from proxy.slots.model import DESCRIPTION_CHARS, Slot, SlotInfo
-from proxy.store.db import Connection
 from proxy.store.forget import purge_links
 from proxy.store.slots import (
     SlotRow,
@@ -23,6 +22,7 @@ from proxy.store.slots import (
     upsert_slots,
     user_slot_page,
 )
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 
 

@@ -12,7 +12,7 @@ from proxy.config import SlotsSettings
 from proxy.slots.embedded import EmbeddedSlots
 from proxy.slots.redis import redis_figures_once
 from proxy.store.counters import counter_values
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 from proxy.store.store import Store
 
 REDIS, EMBEDDED = "redis", "embedded"

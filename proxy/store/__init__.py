@@ -1,15 +1,17 @@
 """The memory database: SQLite with FTS5 and sqlite-vec, behind an async :class:`Store`.
 
-- :mod:`proxy.store.db` — open a connection through a driver that can load sqlite-vec.
-- :mod:`proxy.store.migrations` — the schema as numbered migrations.
+- :mod:`proxy.store.sqlite.db` — open a connection through a driver that can load sqlite-vec.
+- :mod:`proxy.store.sqlite.migrations` — the schema as numbered migrations.
 - :mod:`proxy.store.models` — row dataclasses, message/text hashes, store errors.
 - :mod:`proxy.store.rows` — the columns of sessions and turns, and reading them from a row.
 - :mod:`proxy.store.queries` — the SQL of users, sessions and turns, as synchronous functions of
   a connection (so is every module below that owns tables).
 - :mod:`proxy.store.indexing` — the turns' vectors and their deferred full-text rows.
-- :mod:`proxy.store.search` — FTS5 and vector search (exact or bit-quantised) in one namespace.
+- :mod:`proxy.store.sqlite.search_sql` — FTS5 and vector search (exact or bit-quantised) in one
+namespace.
 - :mod:`proxy.store.vectable` — which model made the vectors, ``turn_vec``'s dimension, and the
-  build table ``engram reindex`` fills and swaps in; :mod:`proxy.store.lock` — the lock file that
+  build table ``engram reindex`` fills and swaps in; :mod:`proxy.store.sqlite.lock` — the lock file
+  that
   keeps ``engram reindex`` apart from the processes that write vectors.
 - :mod:`proxy.store.store` — :class:`Store`: writer thread, reader pool, async methods.
 
@@ -27,7 +29,6 @@ All SQL lives in this package. The store knows nothing of where vectors come fro
 and searches them.
 """
 
-from proxy.store.db import DbInfo, connect, database_info
 from proxy.store.models import (
     NewTurn,
     Session,
@@ -39,6 +40,7 @@ from proxy.store.models import (
     message_hash,
     text_hash,
 )
+from proxy.store.sqlite.db import DbInfo, connect, database_info
 from proxy.store.store import Store
 
 __all__ = [

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.store import migrations
-from proxy.store.db import Connection, connect
+from proxy.store.sqlite import migrations
+from proxy.store.sqlite.db import Connection, connect
 
 PG_SCHEMES = ("postgresql://", "postgres://")
 
@@ -42,7 +42,7 @@ def open_connection(target: str | Path, *, readonly: bool = False) -> Connection
     """A connection to ``target`` with the project's settings (typed as SQLite's: the store's
     functions use the surface both share)."""
     if is_url(target):
-        from proxy.store.pg.connection import connect as pg_connect
+        from proxy.store.postgres.connection import connect as pg_connect
 
         conn: Any = pg_connect(str(target), readonly=readonly)
         return conn  # type: ignore[no-any-return]
@@ -54,7 +54,7 @@ def migrate(conn: Connection) -> list[int]:
     from proxy.store.dialect import is_pg
 
     if is_pg(conn):
-        from proxy.store.pg.migrate import migrate as pg_migrate
+        from proxy.store.postgres.migrate import migrate as pg_migrate
 
         return pg_migrate(conn)
     return migrations.migrate(conn)

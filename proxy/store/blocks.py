@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 MAX_IDS = 100
 """Most memory ids one record keeps (``retrieval.top_k``'s ceiling)."""

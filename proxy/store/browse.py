@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.store.db import Connection
 from proxy.store.dialect import binary_order, char, cross_join, instr, texts_in
 from proxy.store.models import Session, Turn
 from proxy.store.rows import (
@@ -19,6 +18,7 @@ from proxy.store.rows import (
     session_of,
     turn_of,
 )
+from proxy.store.sqlite.db import Connection
 
 FIRST_LINE_CHARS = 160
 

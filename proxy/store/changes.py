@@ -2,7 +2,8 @@
 
 Several processes may share one database: ``engram import`` beside ``engram serve``, the
 processes of ``engram serve --workers N``. Each holds users' terms and vectors in memory
-(:mod:`proxy.store.term_cache`, :mod:`proxy.store.vec_cache`) and applies its *own* writes to
+(:mod:`proxy.store.caches.term_cache`, :mod:`proxy.store.caches.vec_cache`) and applies its *own*
+writes to
 them from its writer thread, after each commit. What another process writes reaches them
 through ``changes`` (migration 15): in the transaction of every change those caches care
 about, a trigger (or :func:`proxy.store.indexing.insert_vector`) logs a row of ids, never text:
@@ -29,7 +30,7 @@ SQLite hands them out again to the next writer.
 Sequence numbers are handed out under SQLite's single write lock and never reused once
 committed (``AUTOINCREMENT``), so the committed rows are contiguous: a first row past
 ``last + 1`` means rows were pruned (the log keeps the newest
-:data:`~proxy.store.migrations_later.CHANGES_KEEP`) before this process read them; then, or
+:data:`~proxy.store.sqlite.migrations_later.CHANGES_KEEP`) before this process read them; then, or
 when more than :data:`BATCH` rows wait, both caches are cleared (users load again on demand).
 """
 
@@ -39,9 +40,9 @@ import bisect
 import threading
 from collections.abc import Callable, Sequence
 
-from proxy.store.db import Connection
-from proxy.store.term_cache import TermCache
-from proxy.store.vec_cache import VectorCache
+from proxy.store.caches.term_cache import TermCache
+from proxy.store.caches.vec_cache import VectorCache
+from proxy.store.sqlite.db import Connection
 
 BATCH = 4096
 """Rows applied in one catch-up; a process further behind clears its caches instead."""

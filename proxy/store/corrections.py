@@ -2,11 +2,12 @@
 it), pinning and muting turns (``turns.recall``, migration 13), notes, and facts replaced.
 
 - :func:`forget_turn` deletes one of the user's turns. Its full-text row and vector go by
-  trigger (:mod:`proxy.store.fts_sql`); what was made from it goes too, since none of it can be
+  trigger (:mod:`proxy.store.sqlite.fts_sql`); what was made from it goes too, since none of it can
+  be
   shown not to hold its words: facts distilled from it (``source_turn``), its session's rolling
   summary when that covers it, the hand-backs its (sub-agent) session gave its parent, and the
   request records whose query was its text. Making the bytes leave the file is
-  :mod:`proxy.store.scrub`'s job, afterwards, as for a session.
+  :mod:`proxy.store.sqlite.scrub`'s job, afterwards, as for a session.
 - :func:`set_recall`: 1 pins a turn (recalled into every chat of its user: :func:`pinned`),
   -1 mutes it (never recalled), 0 leaves it to search.
 - Notes live in the user's ``notes~<user>`` session (a name no client can take), as the user's
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.store.db import Connection
 from proxy.store.dialect import ids_in, instr
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, Turn
 from proxy.store.naming import NOTES_PREFIX, create_named
 from proxy.store.rows import TURN_COLS, json_list, turn_of
+from proxy.store.sqlite.db import Connection
 from proxy.vectors import Vector
 
 RECALL_MODES = {"pinned": 1, "normal": 0, "muted": -1}

@@ -12,9 +12,9 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from proxy.store.db import Connection
 from proxy.store.dialect import cross_join
 from proxy.store.feedback import queue_counts
+from proxy.store.sqlite.db import Connection
 
 
 def all_counters(conn: Connection, names: Iterable[str] = ()) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """What differs between the two backends' SQL, for the statements that cannot be the same.
 
-The store's functions take a connection: a SQLite one (:mod:`proxy.store.db`) or a
-:class:`~proxy.store.pg.connection.PgConnection`. Most SQL is written once, portable (``?``
+The store's functions take a connection: a SQLite one (:mod:`proxy.store.sqlite.db`) or a
+:class:`~proxy.store.postgres.connection.PgConnection`. Most SQL is written once, portable (``?``
 placeholders, ``ON CONFLICT``, ``RETURNING``, ``IS [NOT] DISTINCT FROM``); where it cannot be,
 the function asks :func:`is_pg` or takes a fragment from here.
 

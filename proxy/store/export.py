@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from proxy.store import queries, scaffolds
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 T = TypeVar("T")
 Reader = Callable[[Callable[[Connection], T]], Awaitable[T]]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.store import queries
-from proxy.store.db import Connection
 from proxy.store.dialect import is_pg
+from proxy.store.sqlite.db import Connection
 
 STATUSES = ("pending", "done", "failed")
 """The states of a queued request."""

@@ -7,7 +7,7 @@ feedback and consolidation-queue rows hanging off them), the memory items derive
 (a sub-agent's hand-back in its parent, facts: ``source_session``), and the slots that only these
 sessions referenced, and the scaffolding (:mod:`proxy.store.scaffolds`) no other session of the
 user used. It answers the ids of those slots, so the caller can delete their copies in
-Redis too. Making the bytes leave the file is :mod:`proxy.store.scrub`'s job, afterwards.
+Redis too. Making the bytes leave the file is :mod:`proxy.store.sqlite.scrub`'s job, afterwards.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from proxy.store import scaffolds
-from proxy.store.db import Connection
 from proxy.store.dialect import greatest
+from proxy.store.sqlite.db import Connection
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from proxy.store import backend
-from proxy.store.db import Connection
 from proxy.store.gate import Gate, StoreUnavailable
+from proxy.store.sqlite.db import Connection
 
 T = TypeVar("T")
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from proxy.store import vec_cache
-from proxy.store.db import Connection
+from proxy.store.caches import vec_cache
 from proxy.store.dialect import ids_in, is_pg
-from proxy.store.fts_sql import fts_reindex_sql
 from proxy.store.models import Turn
 from proxy.store.rows import TURN_COLS, json_list, turn_of
+from proxy.store.sqlite.db import Connection
+from proxy.store.sqlite.fts_sql import fts_reindex_sql
 from proxy.store.vectable import stamp_model_id
 from proxy.vectors import Vector, as_vector, to_blob
 

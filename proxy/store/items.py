@@ -8,8 +8,8 @@ import dataclasses
 import time
 
 from proxy.store import queries
-from proxy.store.db import Connection
 from proxy.store.models import NewTurn, SessionNotFound, Turn
+from proxy.store.sqlite.db import Connection
 from proxy.vectors import Vector
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ lease has expired. This is SQLite's counterpart of PostgreSQL's ``FOR UPDATE SKI
 
 from __future__ import annotations
 
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 PRUNE_AFTER_S = 3600.0
 """Expired leases older than this are deleted when a lease is claimed."""

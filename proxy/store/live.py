@@ -3,7 +3,7 @@ conversations, which a client's side request may quote (:mod:`proxy.chat.machine
 
 from __future__ import annotations
 
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 
 def latest_turns(

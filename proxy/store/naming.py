@@ -22,10 +22,10 @@ import uuid
 from collections.abc import Iterable
 
 from proxy.store import queries
-from proxy.store.db import Connection
 from proxy.store.dialect import binary_order, texts_in
 from proxy.store.models import Session
 from proxy.store.rows import SESSION_COLS, json_list, session_of
+from proxy.store.sqlite.db import Connection
 
 FACTS_PREFIX = "facts~"
 """``facts~<user>``: the session of the facts consolidation distils for a user."""

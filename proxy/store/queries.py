@@ -17,10 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.store import scaffolds
-from proxy.store.db import Connection
 from proxy.store.dialect import greatest, ids_in, is_pg, no_limit, texts_in
 from proxy.store.indexing import insert_vector
-from proxy.store.migrations import applied_versions
 from proxy.store.models import (
     NewTurn,
     Session,
@@ -31,6 +29,8 @@ from proxy.store.models import (
     text_hash,
 )
 from proxy.store.rows import SESSION_COLS, TURN_COLS, TURN_COLS_T, json_list, session_of, turn_of
+from proxy.store.sqlite.db import Connection
+from proxy.store.sqlite.migrations import applied_versions
 from proxy.store.vectable import stamp_model_id, vector_count
 from proxy.vectors import Vector
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 
 def user_turn_count(conn: Connection, user_id: str) -> int:

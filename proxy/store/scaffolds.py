@@ -16,9 +16,9 @@ import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 
-from proxy.store.db import Connection
 from proxy.store.dialect import ids_in, texts_in
 from proxy.store.models import NewTurn, Scaffold, Turn
+from proxy.store.sqlite.db import Connection
 
 
 def refs_json(pieces: Sequence[Scaffold]) -> str | None:

@@ -1,299 +1,279 @@
-"""Search within one user namespace: FTS5 BM25 and sqlite-vec KNN (synchronous SQL); on
-PostgreSQL ``turns_fts.tsv`` ranked by ``ts_rank_cd`` and pgvector's exact cosine, in
-:mod:`proxy.store.pg.search_sql` (same scopes and filters, same result shape; no probe, no bit
-vectors: ``quantized`` is the exact plan there, and no statistics span users).
+"""The store's search face (a mixin of :class:`~proxy.store.store.Store`): BM25, KNN, word shares.
 
-Both return ``(turn id, score)`` best first and are confined to ``user_id``. With
-``session_ids=None`` they cover the user's sessions whose ``indexed`` flag is set; with a list,
-exactly those sessions. Turns of ``exclude_sessions`` and ``exclude_ids`` never come back, and
-take no candidate places: the filters run inside the queries (for the vector KNN up to
-``VEC_EXCLUDE_IN_KNN`` sessions inside vec0's KNN, more by asking it for that many more rows).
-
-FTS5 ranks by ``bm25(turns_fts, *FTS_WEIGHTS)`` over the columns ``body`` (the turn), ``ctx``
-(its neighbours in the session) and ``date`` (see :mod:`proxy.store.migrations`).
-
-Statistics across users (FTS5 itself: it answers until a user's terms are loaded into memory,
-:mod:`proxy.store.term_cache`, which computes the same BM25 with the user's own statistics; and
-always with ``fts_memory=0``). The candidates are always the user's own rows, but FTS5 computes
-BM25's statistics over the whole table: the row count ``N``, each term's row count ``n(q)`` (its
-IDF, ``log((N - n + 0.5) / (n + 0.5))``) and each column's average length. So another user's
-text can reorder this user's matches, and what that reveals is bounded to those aggregates:
-never a row, a user, a phrase or a co-occurrence, only (through the order of one's own rows; raw
-BM25 scores are never shown) how many rows of all the other users together hold a given word
-stem, which a user who writes crafted turns and searches them can narrow down with about
-``log2(N)`` searches per word: a word-presence oracle over everyone else's memory combined on a
-shared server (secrets are redacted before they are indexed), open only while FTS5 answers.
-The common-word cut-off weighs each word by the user's own rows
-(:class:`proxy.store.word_counts.UserWordCounts`).
-
-Vector search has two plans over the same ``turn_vec`` partition:
-
-- exact: vec0 KNN on the float32 ``embedding`` (cosine); cost grows with the partition
-  (measured p50 3.5 ms at 10k vectors, 33 ms at 100k, 2-core machine);
-- quantised: vec0 KNN on the sign bits ``embedding_bits`` (Hamming) for
-  ``max(QUANTIZED_MIN_K, QUANTIZED_OVERSAMPLE * wanted)`` candidates, re-scored by exact cosine.
-  vec0's KNN cost grows with k (about 0.1 ms per unit of k at 100k), so the oversampling is
-  small: with 50 wanted from 100k MiniLM vectors of LoCoMo text, k=100 took 12 ms (k=500: 61 ms,
-  more than the exact plan's 38) for recall@10 0.92 / recall@50 0.73 against exact, and the
-  hybrid top 6 kept 98% of the exact plan's (bench/retrieval.py). Sign bits suit roughly
-  centred embeddings such as MiniLM's; vectors that share a strong common direction lose much
-  more recall (a probe measured it; BENCHMARKS.md, "Probes that answered their question").
-
-:class:`~proxy.store.store.Store` picks the plan. ``auto``: the exact plan in memory
-(:mod:`proxy.store.vec_cache`) whenever the user's vectors are held there, however many (at
-100k vectors a numpy product over them beats the quantised KNN, and its results are exact);
-while they are not (being loaded, or too many to hold), vec0's quantised plan above
-``QUANTIZED_ABOVE`` turns and its exact plan below.
+Each path answers from the users' caches in memory when they are held (:mod:`.term_cache`,
+:mod:`.vec_cache`; the same ranking on both backends) and from the database when not (FTS5 and
+vec0 on SQLite, ``tsvector`` and pgvector on PostgreSQL: :mod:`.pg.search_sql`).
+:meth:`Searching.fts_candidates` and :meth:`Searching.vec_candidates` are what a search runs:
+each path in *one* reader job, its candidates' rows included (the word shares, the ranking and
+the rows were three hops of the event loop to a reader and back; on a 2-core machine each hop
+is paid in wall time while the loop's own Python holds the GIL). ``fts_search``, ``vec_search``
+and ``fts_word_shares`` are the same work one part at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+import time
+from collections.abc import Callable, Container, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
-import numpy as np
+from proxy.store import (
+    changes,
+    indexing,
+    queries,
+)
+from proxy.store.caches import term_cache, term_index, vec_cache, warm, word_counts
+from proxy.store.caches.scope import turn_rows
+from proxy.store.sqlite import search_sql as search
+from proxy.store.sqlite.db import Connection
+from proxy.store.sqlite.search_sql import VecMode
+from proxy.vectors import Vector
 
-from proxy.store.db import Connection
-from proxy.store.dialect import is_pg, texts_in
-from proxy.store.indexing import check_vector
-from proxy.store.pg import search_sql
-from proxy.store.rows import json_list
-from proxy.vectors import Vector, as_vector, to_blob
+T = TypeVar("T")
 
-VecMode = Literal["auto", "exact", "quantized"]
+COUNT_TTL_S = 30.0
+"""How long a user's turn count (which picks exact or quantised KNN) is trusted."""
 
-QUANTIZED_ABOVE = 20_000
-"""In ``auto`` mode, users with more turns than this whose vectors are not held in memory
-(:mod:`proxy.store.vec_cache`) are searched through the bit vectors."""
-QUANTIZED_OVERSAMPLE = 2
-QUANTIZED_MIN_K = 100
-"""The bit-vector KNN fetches ``QUANTIZED_OVERSAMPLE`` candidates per result wanted, and at
-least ``QUANTIZED_MIN_K``, to re-score by exact cosine."""
-VEC_MAX_K = 4096  # sqlite-vec's limit on k
-VEC_EXCLUDE_IN_KNN = 8
-"""Excluded sessions filtered inside vec0's KNN (``session_id != ?`` each); sqlite-vec 0.1.9
-plans a KNN with at most 16 constraints."""
-VEC_ROLE_GROWTH = 4
-"""With roles to leave out, a KNN that found too few others asks for this many times more."""
-
-FTS_PROBE_FACTOR = 4
-FTS_PROBE_MIN = 200
-""":func:`fts_search` first checks the scope of the best ``max(FTS_PROBE_MIN,
-FTS_PROBE_FACTOR * limit)`` rows of the whole index."""
-FTS_PROBE_USER_SHARE = 0.5
-""":class:`~proxy.store.store.Store` skips that first step for users holding less than this
-share of all turns: their rows would seldom be among the index's best."""
-
-FTS_WEIGHTS: tuple[float, float, float] = (1.0, 0.3, 1.0)
-"""bm25 weights of ``turns_fts``'s columns ``body``, ``ctx``, ``date``. Measured on LoCoMo
-(bench/locomo.py): a neighbour's words count for less than the turn's own."""
+Ranked = list[tuple[int, float]]
+Rows = dict[int, tuple[Any, ...]]
 
 
-def fts_search(
-    conn: Connection,
-    user_id: str,
-    match: str,
-    limit: int,
-    *,
-    session_ids: Sequence[str] | None,
-    exclude_ids: Iterable[int],
-    exclude_sessions: Sequence[str] = (),
-    weights: Sequence[float] = FTS_WEIGHTS,
-    probe_first: bool = True,
-    exclude_roles: Sequence[str] = (),
-) -> list[tuple[int, float]]:
-    """(turn id, bm25) best first; bm25 is FTS5's (lower is better, usually negative).
+class Searching:
+    """Search methods over the attributes :class:`~proxy.store.store.Store` sets up."""
 
-    ``match`` must be a safe FTS5 expression (see :mod:`proxy.search.fts_query`). With
-    ``session_ids=None`` the user's indexed sessions are searched, else exactly those sessions;
-    turns of ``exclude_sessions``, and turns whose role is in ``exclude_roles``, are left out
-    either way. ``weights``: one per column.
+    terms: term_cache.TermCache
+    vectors: vec_cache.VectorCache
+    follower: changes.Follower
+    loader: warm.Loader
+    vec_dim: int | None
+    _words: word_counts.UserWordCounts
+    _fts_weights: tuple[float, ...]
+    _vec_mode: VecMode
+    _quantized_above: int
+    _user_counts: dict[str, tuple[float, int]]
+    _writer: ThreadPoolExecutor | None
 
-    Plan: FTS5 scores every matching row of the whole index (all users) either way; joining
-    each of them to ``turns`` and ``sessions`` for the scope costs as much again. So the best
-    ``FTS_PROBE_FACTOR * limit`` rows of the index are taken first and only those are checked
-    against the scope; when that leaves fewer than ``limit`` (another user's rows, excluded
-    sessions), the search runs again with the scope joined to every match. ``probe_first=False``
-    goes straight to that (for a user holding a small part of the index).
-    """
-    if limit <= 0:
-        return []
-    if len(weights) != len(FTS_WEIGHTS):
-        raise ValueError(f"weights needs {len(FTS_WEIGHTS)} values (body, ctx, date)")
-    w = [float(x) for x in weights]
-    excluded = set(exclude_ids)
-    joins, where, scope_args = _fts_scope(
-        conn, user_id, session_ids, exclude_sessions, exclude_roles
-    )
-    if is_pg(conn):  # turns_fts.tsv, ranked by ts_rank_cd (proxy.store.pg.search_sql)
-        return search_sql.fts_search(conn, match, limit, w, joins, where, scope_args, excluded)
-    if probe_first:
-        probe = max(FTS_PROBE_MIN, FTS_PROBE_FACTOR * (limit + len(excluded)))
-        best = conn.execute(
-            "SELECT rowid, bm25(turns_fts, ?, ?, ?) AS score FROM turns_fts"
-            " WHERE turns_fts MATCH ? ORDER BY score, rowid LIMIT ?",
-            [*w, match, probe],
-        ).fetchall()
-        in_scope = {
-            int(r[0])
-            for r in conn.execute(
-                f"SELECT t.id FROM turns t{joins} WHERE t.id IN (SELECT value FROM json_each(?))"
-                + where,
-                [json_list(r[0] for r in best), *scope_args],
-            )
-        }
-        hits = [(int(r[0]), float(r[1])) for r in best if r[0] in in_scope and r[0] not in excluded]
-        if len(hits) >= limit or len(best) < probe:  # enough, or every match was seen
-            return hits[:limit]
-    sql = (
-        "SELECT turns_fts.rowid, bm25(turns_fts, ?, ?, ?) AS score"
-        f" FROM turns_fts JOIN turns t ON t.id = turns_fts.rowid{joins}"
-        " WHERE turns_fts MATCH ?" + where
-    )
-    args: list[Any] = [*w, match, *scope_args]
-    if excluded:
-        sql += " AND turns_fts.rowid NOT IN (SELECT value FROM json_each(?))"
-        args.append(json_list(excluded))
-    sql += " ORDER BY score, turns_fts.rowid LIMIT ?"
-    args.append(limit)
-    return [(int(r[0]), float(r[1])) for r in conn.execute(sql, args)]
+    async def read(self, fn: Callable[[Connection], T]) -> T:
+        raise NotImplementedError  # the Store's
 
+    # -- one path, one job ----------------------------------------------------------------
+    async def fts_candidates(
+        self,
+        user_id: str,
+        words: Sequence[str],
+        choose: Callable[[dict[str, float]], str | None],
+        limit: int,
+        *,
+        min_turns: int = 0,
+        above: float = 1.0,
+        session_ids: Sequence[str] | None = None,
+        exclude_sessions: Sequence[str] = (),
+        exclude_roles: Sequence[str] = (),
+    ) -> tuple[Ranked, Rows]:
+        """The full-text path in one reader job: the shares of ``words`` (as
+        :meth:`fts_word_shares`; none asked for when ``words`` is empty), the match ``choose``
+        makes of them (None: nothing to search), :meth:`fts_search`'s ranking of it, and the
+        found turns' rows (:func:`~proxy.store.caches.scope.turn_rows`)."""
+        filters = _filters(session_ids, (), exclude_sessions, exclude_roles)
+        quick, shares_job = self._shares(user_id, words, min_turns, above)
 
-def _fts_scope(
-    conn: Connection,
-    user_id: str,
-    session_ids: Sequence[str] | None,
-    exclude_sessions: Sequence[str],
-    exclude_roles: Sequence[str] = (),
-) -> tuple[str, str, list[Any]]:
-    """Joins, WHERE conditions (each starting with " AND") and arguments that confine turns
-    ``t`` to the search scope."""
-    joins = ""
-    where = " AND t.user_id = ?"
-    args: list[Any] = [user_id]
-    if session_ids is None:
-        joins = " JOIN sessions s ON s.id = t.session_id"
-        where += " AND s.indexed = 1"
-    else:
-        where += f" AND t.session_id IN {texts_in(conn)}"
-        args.append(json_list(session_ids))
-    if exclude_sessions:
-        where += f" AND t.session_id NOT IN {texts_in(conn)}"
-        args.append(json_list(exclude_sessions))
-    if exclude_roles:
-        where += f" AND t.role NOT IN {texts_in(conn)}"
-        args.append(json_list(exclude_roles))
-    return joins, where, args
+        def job(c: Connection) -> tuple[Ranked, Rows]:
+            match = choose(quick if quick is not None else shares_job(c))
+            if match is None:
+                return [], {}
+            ranked = self._fts_ranked(c, user_id, match, limit, *filters)
+            return ranked, turn_rows(c, [i for i, _ in ranked], user_id)
 
+        try:
+            return await self.read(job)
+        finally:
+            self._count_words_later()
 
-def vec_search(
-    conn: Connection,
-    user_id: str,
-    vec: Vector,
-    limit: int,
-    *,
-    session_ids: Sequence[str] | None,
-    exclude_ids: Iterable[int],
-    quantized: bool,
-    exclude_sessions: Sequence[str] = (),
-    exclude_roles: Sequence[str] = (),
-    dim: int | None = None,
-) -> list[tuple[int, float]]:
-    """(turn id, cosine distance) nearest first, within one user's partition. ``dim``: the
-    table's dimension (a query of another length is a ValueError).
+    async def vec_candidates(
+        self,
+        user_id: str,
+        vector: Vector,
+        limit: int,
+        *,
+        known: Container[int] = (),
+        session_ids: Sequence[str] | None = None,
+        exclude_sessions: Sequence[str] = (),
+        exclude_roles: Sequence[str] = (),
+    ) -> tuple[Ranked, Rows]:
+        """The vector path in one reader job: :meth:`vec_search`'s ranking and the rows of the
+        turns it found that are not in ``known`` (rows the caller holds already, such as the
+        full-text path's; looked up one id at a time, so it may be filled meanwhile)."""
+        filters = _filters(session_ids, (), exclude_sessions, exclude_roles)
+        mode = self._vec_mode
 
-    ``quantized``: rank by Hamming distance of the sign bits, then re-score
-    ``QUANTIZED_OVERSAMPLE`` times as many candidates by exact cosine distance. Turns of
-    ``exclude_sessions`` are left out. Turns whose role is in ``exclude_roles`` are left out
-    too; ``turn_vec`` holds no role, so the KNN asks for ``VEC_ROLE_GROWTH`` times more rows
-    until ``limit`` others are found (or no more rows are).
-    """
-    if limit <= 0:
-        return []
-    query = to_blob(check_vector(vec, dim))
-    excluded = set(exclude_ids)
-    skip_sessions = list(dict.fromkeys(exclude_sessions))
-    if is_pg(conn):  # exact, every filter in the query; no bit vectors (quantized: exact)
-        return search_sql.vec_search(
-            conn, user_id, query, limit, session_ids, excluded, skip_sessions, exclude_roles
+        def job(c: Connection) -> tuple[Ranked, Rows]:
+            ranked = self._vec_ranked(c, user_id, vector, limit, mode, *filters)
+            return ranked, turn_rows(c, [i for i, _ in ranked if i not in known], user_id)
+
+        return await self.read(job)
+
+    # -- one part at a time ---------------------------------------------------------------
+    async def fts_search(
+        self,
+        user_id: str,
+        match: str,
+        limit: int,
+        *,
+        session_ids: Sequence[str] | None = None,
+        exclude_ids: Iterable[int] = (),
+        exclude_sessions: Sequence[str] = (),
+        exclude_roles: Sequence[str] = (),
+    ) -> Ranked:
+        """(turn id, bm25) best first. ``match`` must come from :mod:`proxy.search.fts_query`."""
+        filters = _filters(session_ids, exclude_ids, exclude_sessions, exclude_roles)
+        return await self.read(lambda c: self._fts_ranked(c, user_id, match, limit, *filters))
+
+    async def vec_search(
+        self,
+        user_id: str,
+        vector: Vector,
+        limit: int,
+        *,
+        session_ids: Sequence[str] | None = None,
+        exclude_ids: Iterable[int] = (),
+        exclude_sessions: Sequence[str] = (),
+        mode: VecMode | None = None,
+        exclude_roles: Sequence[str] = (),
+    ) -> Ranked:
+        """(turn id, cosine distance) nearest first, over the user's partition only."""
+        filters = _filters(session_ids, exclude_ids, exclude_sessions, exclude_roles)
+        plan = mode or self._vec_mode
+        return await self.read(
+            lambda c: self._vec_ranked(c, user_id, vector, limit, plan, *filters)
         )
-    in_knn, after_knn = skip_sessions[:VEC_EXCLUDE_IN_KNN], skip_sessions[VEC_EXCLUDE_IN_KNN:]
-    want = limit + len(excluded)
-    if after_knn:  # filtered after the KNN: ask for as many more rows as they could take
-        want += conn.execute(
-            "SELECT count(*) FROM turns WHERE session_id IN (SELECT value FROM json_each(?))",
-            (json_list(after_knn),),
-        ).fetchone()[0]
-    want = min(VEC_MAX_K, want)
-    where = " AND user_id = ?"
-    extra: list[Any] = [user_id]
-    if session_ids is None:
-        where += " AND indexed = 1"
-    else:
-        where += " AND session_id IN (SELECT value FROM json_each(?))"
-        extra.append(json_list(session_ids))
-    for session_id in in_knn:
-        where += " AND session_id != ?"
-        extra.append(session_id)
-    if after_knn:
-        where += " AND session_id NOT IN (SELECT value FROM json_each(?))"
-        extra.append(json_list(after_knn))
 
-    def knn(want: int) -> tuple[list[tuple[int, float]], bool]:
-        """The nearest rows, and whether the partition may hold more."""
-        if not quantized:
-            rows = conn.execute(
-                "SELECT turn_id, distance FROM turn_vec WHERE embedding MATCH ? AND k = ?"
-                + where
-                + " ORDER BY distance",
-                [query, want, *extra],
-            ).fetchall()
-            # ties by turn id, as the in-memory plan (store.vec_cache) orders them
-            found = sorted(((int(r[0]), float(r[1])) for r in rows), key=lambda r: (r[1], r[0]))
-            return found, len(rows) >= want
-        k = min(VEC_MAX_K, max(QUANTIZED_MIN_K, want * QUANTIZED_OVERSAMPLE))
-        candidates = [
-            r[0]
-            for r in conn.execute(
-                "SELECT turn_id FROM turn_vec"
-                " WHERE embedding_bits MATCH vec_quantize_binary(?) AND k = ?" + where,
-                [query, k, *extra],
-            )
-        ]
-        return _rescore(conn, vec, candidates), len(candidates) >= k
+    async def turn_vectors(self, user_id: str, ids: Sequence[int]) -> dict[int, Vector]:
+        ids = list(ids)
+        found = self.vectors.vectors(user_id, ids)
+        if found is None:  # not held (store.vec_cache): point lookups
+            found = await self.read(lambda c: indexing.turn_vectors(c, ids, user_id))
+        return found
 
-    while True:
-        found, more = knn(want)
-        hits = [hit for hit in found if hit[0] not in excluded]
-        if exclude_roles:
-            allowed = _without_roles(conn, [h[0] for h in hits], exclude_roles)
-            hits = [hit for hit in hits if hit[0] in allowed]
-        if len(hits) >= limit or not more or not exclude_roles or want >= VEC_MAX_K:
-            return hits[:limit]
-        want = min(VEC_MAX_K, want * VEC_ROLE_GROWTH)
+    async def fts_word_shares(
+        self, user_id: str, words: Sequence[str], *, min_turns: int = 0, above: float = 1.0
+    ) -> dict[str, float]:
+        """Each query word's share of ``user_id``'s turns, as far as known without waiting
+        (word_counts.UserWordCounts); empty below ``min_turns`` turns. No hop when remembered."""
+        quick, job = self._shares(user_id, words, min_turns, above)
+        try:
+            return quick if quick is not None else await self.read(job)
+        finally:
+            self._count_words_later()
+
+    # -- the jobs (reader threads) ----------------------------------------------------------
+    def _fts_ranked(
+        self,
+        c: Connection,
+        user_id: str,
+        match: str,
+        limit: int,
+        sessions: list[str] | None,
+        excluded: list[int],
+        skip: list[str],
+        roles: list[str],
+    ) -> Ranked:
+        mine = self._user_turn_count(c, user_id)
+        self.follower.catch_up(c)  # what other processes on the database changed
+        found = self.terms.search(c, user_id, term_index.terms_of(match), limit,
+            self._in_background, mine, self._fts_weights, session_ids=sessions,
+            exclude_ids=excluded, exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
+        if found is not None:  # the user's terms held in memory (store.term_cache)
+            return found
+        return search.fts_search(
+            c,
+            user_id,
+            match,
+            limit,
+            session_ids=sessions,
+            exclude_ids=excluded,
+            exclude_sessions=skip,
+            weights=self._fts_weights,
+            probe_first=mine >= search.FTS_PROBE_USER_SHARE * self._user_turn_count(c, None),
+            exclude_roles=roles,
+        )
+
+    def _vec_ranked(
+        self,
+        c: Connection,
+        user_id: str,
+        vector: Vector,
+        limit: int,
+        mode: VecMode,
+        sessions: list[str] | None,
+        excluded: list[int],
+        skip: list[str],
+        roles: list[str],
+    ) -> Ranked:
+        # The exact plan in memory (store.vec_cache) whenever the user's vectors are held
+        # there, however many; vec0's plans while they are not (or would not fit).
+        count = self._user_turn_count(c, user_id)
+        self.follower.catch_up(c)  # what other processes on the database changed
+        found = None if mode == "quantized" else self.vectors.search(user_id, vector, limit,
+            self._in_background, count, session_ids=sessions, exclude_ids=excluded,
+            exclude_sessions=skip, exclude_roles=roles)  # fmt: skip
+        if found is not None:
+            return found
+        quantized = mode == "quantized" or (mode == "auto" and count > self._quantized_above)
+        return search.vec_search(c, user_id, vector, limit, session_ids=sessions,
+            exclude_ids=excluded, quantized=quantized, exclude_sessions=skip,
+            exclude_roles=roles, dim=self.vec_dim)  # fmt: skip
+
+    def _shares(
+        self, user_id: str, words: Sequence[str], min_turns: int, above: float
+    ) -> tuple[dict[str, float] | None, Callable[[Connection], dict[str, float]]]:
+        """The words' shares if known without a read (else None), and the job that reads them."""
+        words = list(dict.fromkeys(words))
+        floor, mine, total = max(1, min_turns), self._fresh(user_id), self._fresh("\0all")
+
+        def job(c: Connection) -> dict[str, float]:
+            mine = self._user_turn_count(c, user_id)
+            if mine < floor:
+                return {}
+            total = self._user_turn_count(c, None)
+            return self._words.shares(c, user_id, words, mine, total, above) or {}
+
+        if not words or (mine is not None and mine < floor):  # known to be below: no read
+            return {}, job
+        return self._words.remembered(user_id, words, mine, total, above), job
+
+    def _count_words_later(self) -> None:
+        if self._words.pending() and self._writer is not None:
+            self._words.running = True  # counted in the background: nothing waits for it
+            self._in_background(self._words.run)
+
+    def _in_background(self, fn: Callable[[Connection], object]) -> None:
+        """Run ``fn(conn)`` on the loader thread (store.warm); nothing waits for it."""
+        self.loader.submit(fn)
+
+    def _user_turn_count(self, conn: Connection, user_id: str | None) -> int:
+        """A recent count of the user's (``None``: all) turns; stale only picks a plan."""
+        key = "\0all" if user_id is None else user_id
+        if (known := self._fresh(key)) is not None:
+            return known
+        if user_id is None:
+            count = int(conn.execute("SELECT count(*) FROM turns").fetchone()[0])
+        else:
+            count = queries.count_user_turns(conn, user_id)
+        self._user_counts[key] = (time.monotonic(), count)
+        return count
+
+    def _fresh(self, key: str) -> int | None:
+        """A user's (``"\0all"``: all) turn count counted in the last :data:`COUNT_TTL_S`."""
+        cached = self._user_counts.get(key)
+        return cached[1] if cached and time.monotonic() - cached[0] < COUNT_TTL_S else None
 
 
-def _without_roles(conn: Connection, turn_ids: Sequence[int], roles: Sequence[str]) -> set[int]:
-    """Those of ``turn_ids`` whose role is not in ``roles``."""
-    rows = conn.execute(
-        "SELECT id FROM turns WHERE id IN (SELECT value FROM json_each(?))"
-        " AND role NOT IN (SELECT value FROM json_each(?))",
-        (json_list(turn_ids), json_list(roles)),
-    )
-    return {int(r[0]) for r in rows}
-
-
-def _rescore(conn: Connection, vec: Vector, turn_ids: Sequence[int]) -> list[tuple[int, float]]:
-    if not turn_ids:
-        return []
-    blobs = [
-        conn.execute("SELECT embedding FROM turn_vec WHERE turn_id = ?", (i,)).fetchone()[0]
-        for i in turn_ids
-    ]
-    matrix = np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(turn_ids), -1)
-    q = as_vector(vec)
-    norms = np.linalg.norm(matrix, axis=1) * max(float(np.linalg.norm(q)), 1e-12)
-    norms[norms == 0.0] = 1e-12
-    distances = 1.0 - (matrix @ q) / norms
-    order = np.argsort(distances, kind="stable")
-    return [(int(turn_ids[i]), float(distances[i])) for i in order]
+def _filters(
+    session_ids: Sequence[str] | None,
+    exclude_ids: Iterable[int],
+    exclude_sessions: Sequence[str],
+    exclude_roles: Sequence[str],
+) -> tuple[list[str] | None, list[int], list[str], list[str]]:
+    """The scope filters as lists, copied before the job runs on its thread."""
+    sessions = list(session_ids) if session_ids is not None else None
+    return sessions, list(exclude_ids), list(exclude_sessions), list(exclude_roles)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from proxy.store.db import Connection
 from proxy.store.dialect import binary_order
+from proxy.store.sqlite.db import Connection
 
 
 class SlotRow(NamedTuple):

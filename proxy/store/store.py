@@ -30,7 +30,7 @@ Public surface (all ``async`` except the constructor)::
     vec_search(user_id, vector, limit, *, session_ids=None, exclude_ids=(),
                exclude_sessions=(), mode=None, exclude_roles=()) -> [(id, cosine distance)]
     fts_candidates(user_id, words, choose, limit, ...) / vec_candidates(user_id, vector, limit,
-               *, known=(), ...) -> (ranking, rows)  each path in one reader job (store.searching)
+               *, known=(), ...) -> (ranking, rows)  each path in one reader job (store.search)
     export(user_id) -> AsyncIterator[dict]  sessions then turns;  stats();  preload()  warm start
     follow()   apply what other processes on the file changed (store.changes; each search
                does it first);  follower.on_deleted   told of turns they deleted
@@ -57,22 +57,19 @@ from proxy.store import (
     changes,
     indexing,
     queries,
-    term_cache,
-    vec_cache,
     vectable,
-    warm,
-    word_counts,
 )
-from proxy.store.db import Connection
+from proxy.store.caches import term_cache, vec_cache, warm, word_counts
 from proxy.store.export import export_items
 from proxy.store.forget import forget_session
 from proxy.store.gate import Gate
 from proxy.store.held import Connections
 from proxy.store.models import NewTurn, Session, StoreStats, Turn
-from proxy.store.pg.follow import PgFollower
-from proxy.store.scrub import Scrubber
-from proxy.store.search import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
-from proxy.store.searching import Searching
+from proxy.store.postgres.follow import PgFollower
+from proxy.store.search import Searching
+from proxy.store.sqlite.db import Connection
+from proxy.store.sqlite.scrub import Scrubber
+from proxy.store.sqlite.search_sql import FTS_WEIGHTS, QUANTIZED_ABOVE, VecMode
 from proxy.vectors import Vector
 
 T = TypeVar("T")
@@ -80,7 +77,7 @@ T = TypeVar("T")
 
 class Store(Searching):
     """The memory database. Create, ``await open()``, use, ``await close()``. Its search
-    methods are :class:`~proxy.store.searching.Searching`'s."""
+    methods are :class:`~proxy.store.search.Searching`'s."""
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ parent once."""
 
 from __future__ import annotations
 
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 
 
 def set_completed(conn: Connection, session_id: str, when: float) -> None:

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.store import backend, vectable
-from proxy.store.db import Connection
 from proxy.store.dialect import ids_in, is_pg
 from proxy.store.rows import json_list
+from proxy.store.sqlite.db import Connection
 
 BATCH = 1000
 """Rows per transaction."""

@@ -17,8 +17,8 @@ named, and requests continuing one session at once are told apart before forward
 
 from __future__ import annotations
 
-from proxy.store.db import Connection
 from proxy.store.dialect import is_pg
+from proxy.store.sqlite.db import Connection
 
 
 def lock_conversation(conn: Connection, *key: str) -> None:

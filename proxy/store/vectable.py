@@ -25,10 +25,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.store import vec_cache
-from proxy.store.db import Connection
+from proxy.store.caches import vec_cache
 from proxy.store.dialect import ids_in, is_pg, texts_in
 from proxy.store.rows import json_list
+from proxy.store.sqlite.db import Connection
 from proxy.vectors import Vector, from_blob, to_blob
 
 MODEL_KEY = "embedding_model"
@@ -44,7 +44,7 @@ _HAS_TEXT = "trim(t.content) != ''"
 
 def vec_table_sql(dim: int, name: str = "turn_vec") -> str:
     """``CREATE VIRTUAL TABLE`` of ``turn_vec`` with ``dim`` dimensions (the layout of migration 1,
-    see :mod:`proxy.store.migrations`)."""
+    see :mod:`proxy.store.sqlite.migrations`)."""
     if dim < 1:
         raise ValueError("a vector table needs at least one dimension")
     return (

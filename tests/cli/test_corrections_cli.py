@@ -18,11 +18,11 @@ import pytest
 from proxy.cli.main import main
 from proxy.search.embedder import HashEmbedder
 from proxy.store import Store, corrections
-from proxy.store.db import Connection
 from proxy.store.feedback import RecordedRequest, insert_request
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, Turn, embed_text
 from proxy.store.naming import create_named, facts_session_name
+from proxy.store.sqlite.db import Connection
 from proxy.store.summaries import Summary, get_summary, put_summary
 from tests.cli.test_cli import engram, env, write  # noqa: F401  (env: a fixture)
 from tests.proxy.test_forget import found

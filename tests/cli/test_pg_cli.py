@@ -16,7 +16,7 @@ import pytest
 from proxy.cli.main import main, remote_refusal
 from proxy.config import load_settings
 from proxy.store import NewTurn, Store
-from proxy.store.pg.reindex_lock import PgReindexLock
+from proxy.store.postgres.reindex_lock import PgReindexLock
 from testing.fake_upstream import FakeUpstream
 from testing.postgres import PostgresServer
 from tests.cli.test_cli import LINES

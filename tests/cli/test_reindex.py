@@ -109,7 +109,7 @@ async def results(db: Path, embedder: Embedder, users: Sequence[str] = ("u1", "u
 
 def vectors(db: Path) -> dict[int, tuple[str, bytes]]:
     """turn id -> (embed_hash, vector bytes) as stored (read through Engram's driver)."""
-    from proxy.store.db import connect
+    from proxy.store.sqlite.db import connect
 
     conn = connect(db)
     try:
@@ -123,7 +123,7 @@ def vectors(db: Path) -> dict[int, tuple[str, bytes]]:
 
 
 def models_of_vectors(db: Path) -> set[str | None]:
-    from proxy.store.db import connect
+    from proxy.store.sqlite.db import connect
 
     conn = connect(db)
     try:
@@ -280,7 +280,7 @@ def _engram(
 
 
 def _build_rows(db: Path) -> int:
-    from proxy.store.db import connect
+    from proxy.store.sqlite.db import connect
 
     conn = connect(db, readonly=True)
     try:
@@ -346,7 +346,7 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
 
 
 def test_reindex_refuses_beside_a_server_and_they_beside_it(tmp_path: Path) -> None:
-    from proxy.store.lock import DatabaseBusy, DatabaseLock
+    from proxy.store.sqlite.lock import DatabaseBusy, DatabaseLock
 
     db = tmp_path / "e.db"
     assert _engram(db, "import", str(_write(tmp_path))).returncode == 0

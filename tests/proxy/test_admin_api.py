@@ -11,7 +11,7 @@ from yarl import URL
 
 from proxy.cli.importer import ImportReport, import_records
 from proxy.services import SERVICES
-from proxy.store.db import Connection
+from proxy.store.sqlite.db import Connection
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, settle, start_engram
 

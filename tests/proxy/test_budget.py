@@ -13,8 +13,8 @@ fake upstream, each test one row of what the real agents showed:
 from __future__ import annotations
 
 import json
-import re
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 

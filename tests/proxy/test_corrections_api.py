@@ -15,10 +15,10 @@ import pytest_asyncio
 
 from proxy.chat.fence import BLOCK_OPEN
 from proxy.services import SERVICES
-from proxy.store.db import Connection
 from proxy.store.items import insert_item
 from proxy.store.models import NewTurn, embed_text
 from proxy.store.naming import create_named, facts_session_name
+from proxy.store.sqlite.db import Connection
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, forwarded_memory, settle, start_engram
 from tests.proxy.test_auth import bearer, db_of, keyed_engram, make_key

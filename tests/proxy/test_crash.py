@@ -41,7 +41,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from proxy.store.db import Connection, connect
+from proxy.store.sqlite.db import Connection, connect
 from testing.fake_upstream import FakeUpstream
 
 REPO = Path(__file__).resolve().parents[2]

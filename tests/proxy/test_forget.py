@@ -19,9 +19,9 @@ from proxy.cli.main import main
 from proxy.services import SERVICES
 from proxy.slots.redis import RedisSlots
 from proxy.slots.refs import slot_id
-from proxy.store.db import connect
 from proxy.store.models import NewTurn
-from proxy.store.scrub import fts_optimize
+from proxy.store.sqlite.db import connect
+from proxy.store.sqlite.scrub import fts_optimize
 from proxy.store.summaries import get_summary
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply

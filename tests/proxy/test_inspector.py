@@ -3,7 +3,8 @@ driven over the DevTools protocol against a running Engram with real SQLite, a r
 HTTP server (the fake), and chats sent through /v1/chat/completions.
 
 Each test writes screenshots under ``build/screenshots/`` (``$ENGRAM_SCREENSHOTS`` to choose);
-docs/inspector.md shows the overview's. Chromium missing: skipped with the reason, a failure under CI.
+docs/inspector.md shows the overview's. Chromium missing: skipped with the reason, a failure under
+CI.
 """
 
 from __future__ import annotations

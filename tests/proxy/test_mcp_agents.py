@@ -1,4 +1,5 @@
-"""The MCP snippets of docs/mcp.md for Claude Code and Codex, run with the real clients (the versions in
+"""The MCP snippets of docs/mcp.md for Claude Code and Codex, run with the real clients (the
+versions in
 ``testing/agents.pins``) against a running Engram with accounts: the client connects with the
 configured bearer key, and the five tools and Engram's instructions reach the model's prompt. A
 wrong key is refused with a plain 401, and Claude Code does not fall back to OAuth.

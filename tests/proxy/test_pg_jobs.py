@@ -2,7 +2,7 @@
 replica SIGKILLed in the middle of a rolling summary leaves the job to another, which does it
 once (proxy/background/leases.py); the ``changes`` log is pruned by one replica at a time, and
 by another once that one is gone (proxy/background/changes.py); a follower that missed pruned
-rows starts its caches again (proxy/store/pg/follow.py)."""
+rows starts its caches again (proxy/store/postgres/follow.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest_asyncio
 from proxy.background.changes import LEASE
 from proxy.background.leases import Leases
 from proxy.store import NewTurn, Store, leases
-from proxy.store.pg import follow
+from proxy.store.postgres import follow
 from testing.fake_chunks import chat_completion
 from testing.fake_upstream import FakeUpstream, JsonReply, RecordedRequest
 from testing.postgres import PostgresServer

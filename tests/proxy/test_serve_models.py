@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from proxy.search.loading import explain
-from proxy.store.lock import DatabaseLock
+from proxy.store.sqlite.lock import DatabaseLock
 from testing.fake_upstream import FakeUpstream
 from tests.proxy.test_serve import free_port, start_serve
 

@@ -19,9 +19,9 @@ import pytest
 import pytest_asyncio
 
 from proxy.store import NewTurn, Store, changes, indexing, queries
-from proxy.store.db import Connection, connect
-from proxy.store.migrations import EMBED_DIM, migrate
-from proxy.store.migrations_later import CHANGES_KEEP
+from proxy.store.sqlite.db import Connection, connect
+from proxy.store.sqlite.migrations import EMBED_DIM, migrate
+from proxy.store.sqlite.migrations_later import CHANGES_KEEP
 from tests.store.test_term_cache import archive, check_all
 from tests.store.test_term_cache import held as terms_held
 from tests.store.test_vec_cache import both, unit
@@ -268,7 +268,7 @@ async def test_caches_stay_exact_while_both_processes_write_and_one_loads(
     server searches without pause and, at the start, loads the user again on its loader
     thread, slowly: afterwards its terms rank exactly as the reference over FTS5's rows, its
     vectors answer exactly as vec0, and every turn of both is found."""
-    from proxy.store import term_cache, term_index
+    from proxy.store.caches import term_cache, term_index
 
     server, other = pair
     monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)  # loads go to the loader thread
@@ -309,7 +309,8 @@ async def test_caches_stay_exact_while_both_processes_write_and_one_loads(
     assert len(index.held) == index.n == len(set(index.ids[: index.n].tolist()))
 
 
-# -- the PostgreSQL log (proxy/store/pg/follow.py) ---------------------------------------------
+# -- the PostgreSQL log (proxy/store/postgres/follow.py)
+# ---------------------------------------------
 
 
 @pytest_asyncio.fixture

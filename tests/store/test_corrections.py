@@ -16,10 +16,10 @@ import pytest
 import pytest_asyncio
 
 from proxy.store import NewTurn, Store, browse, corrections
-from proxy.store.db import Connection
 from proxy.store.dialect import is_pg
 from proxy.store.feedback import RecordedRequest, insert_request
 from proxy.store.items import insert_item
+from proxy.store.sqlite.db import Connection
 from proxy.store.summaries import Summary, get_summary, put_summary
 from proxy.vectors import Vector
 

@@ -14,7 +14,7 @@ from proxy.config import RetrievalSettings
 from proxy.search.embedder import HashEmbedder
 from proxy.search.retrieval import Retriever
 from proxy.store import NewTurn, Store
-from proxy.store.migrations import EMBED_DIM
+from proxy.store.sqlite.migrations import EMBED_DIM
 
 pytestmark = pytest.mark.asyncio
 

@@ -11,14 +11,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from proxy.store import NewTurn, SessionNotFound, Store, db, indexing, migrations, queries
-from proxy.store import scrub as scrub_module
+from proxy.store import NewTurn, SessionNotFound, Store, indexing, queries
 from proxy.store.dialect import is_pg
 from proxy.store.feedback import RecordedRequest, add_feedback, insert_request
 from proxy.store.forget import forget_session, link_slots, purge_links
 from proxy.store.items import insert_item
-from proxy.store.pg.scrub import STATISTICS
-from proxy.store.scrub import (
+from proxy.store.postgres.scrub import STATISTICS
+from proxy.store.slots import SlotRow, upsert_slots
+from proxy.store.sqlite import db, migrations
+from proxy.store.sqlite import scrub as scrub_module
+from proxy.store.sqlite.scrub import (
     AUTO_VACUUM_INCREMENTAL,
     Scrubber,
     auto_vacuum_mode,
@@ -28,7 +30,6 @@ from proxy.store.scrub import (
     fts_optimize,
     fts_segments,
 )
-from proxy.store.slots import SlotRow, upsert_slots
 from proxy.store.summaries import Summary, get_summary, put_summary
 from testing.postgres import PostgresServer
 from tests.store.conftest import new_database

@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.search.fts_query import NLTK_STOP_WORDS, STOP_WORDS, quote, to_match, tokens
-from proxy.store import db
-from proxy.store.db import Connection
-from proxy.store.migrations import FTS_TOKENIZE
+from proxy.store.sqlite import db
+from proxy.store.sqlite.db import Connection
+from proxy.store.sqlite.migrations import FTS_TOKENIZE
 
 DOCS = [
     "Caroline went to the LGBTQ support group on 7 May",

@@ -1,4 +1,4 @@
-"""The PostgreSQL schema (:mod:`proxy.store.pg.schema`) on a real PostgreSQL 18 with pgvector,
+"""The PostgreSQL schema (:mod:`proxy.store.postgres.schema`) on a real PostgreSQL 18 with pgvector,
 against SQLite's (migrations 1-16): the same tables, columns, indexes and triggers; the same
 ``turns_fts`` rows (body, ctx, date) and ``changes`` rows after the same writes; searches that
 find turns by their words, their neighbours' and their date.
@@ -19,11 +19,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from proxy.store.db import Connection, connect
-from proxy.store.fts_sql import date_sql, fts_reindex_sql
-from proxy.store.migrations import migrate
-from proxy.store.pg.migrate import MIGRATIONS
-from proxy.store.pg.schema import SCHEMA_VERSION, schema_sql
+from proxy.store.postgres.migrate import MIGRATIONS
+from proxy.store.postgres.schema import SCHEMA_VERSION, schema_sql
+from proxy.store.sqlite.db import Connection, connect
+from proxy.store.sqlite.fts_sql import date_sql, fts_reindex_sql
+from proxy.store.sqlite.migrations import migrate
 from testing.postgres import PostgresError, PostgresServer, postgres_server
 
 _names = itertools.count(1)

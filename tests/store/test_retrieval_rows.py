@@ -1,4 +1,5 @@
-"""The search reads its candidates as raw rows (proxy.store.search.turn_rows) and makes Turns
+"""The search reads its candidates as raw rows (proxy.store.sqlite.search_sql.turn_rows) and makes
+Turns
 only of the results it keeps and the candidates ``keep`` is asked about."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from proxy.config import RetrievalSettings
 from proxy.search.embedder import HashEmbedder
 from proxy.search.retrieval import Retriever
 from proxy.store import NewTurn, Store
+from proxy.store.caches.scope import turn_rows
 from proxy.store.models import Turn
 from proxy.store.rows import turn_of
-from proxy.store.scope import turn_rows
 
 TEXTS = [f"the beagle puppy number {i} chewed sofa {i % 3}" for i in range(30)]
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from proxy.chat.sessions import PlacementRequest, commit_turns, place
-from proxy.store import backend, db, migrations, queries
-from proxy.store.db import Connection
+from proxy.store import backend, queries
 from proxy.store.models import NewTurn, Session, SessionConflict
 from proxy.store.naming import create_named, free_session_id, named_session, session_names
+from proxy.store.sqlite import db, migrations
+from proxy.store.sqlite.db import Connection
 
 
 def h8(user: str) -> str:

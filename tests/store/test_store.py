@@ -19,10 +19,10 @@ from proxy.store import (
     SessionNotFound,
     Store,
     message_hash,
-    search,
     text_hash,
 )
-from proxy.store.migrations import latest_version
+from proxy.store.sqlite import search_sql as search
+from proxy.store.sqlite.migrations import latest_version
 from proxy.vectors import Vector
 
 DIM = 384

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from proxy.store import db
+from proxy.store.sqlite import db
 
 
 def test_driver_loads_sqlite_vec(tmp_path: Path) -> None:

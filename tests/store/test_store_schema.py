@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from proxy.store import db, fts_sql, indexing, migrations
-from proxy.store.db import Connection
+from proxy.store import indexing
+from proxy.store.sqlite import db, fts_sql, migrations
+from proxy.store.sqlite.db import Connection
 from proxy.vectors import to_blob
 
 

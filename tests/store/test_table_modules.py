@@ -22,13 +22,13 @@ from proxy.store import (
     items,
     keys,
     scaffolds,
-    scope,
     slots,
     subagents,
 )
-from proxy.store.db import Connection
+from proxy.store.caches import scope
 from proxy.store.feedback import RecordedRequest
 from proxy.store.models import Scaffold
+from proxy.store.sqlite.db import Connection
 
 pytestmark = pytest.mark.asyncio
 

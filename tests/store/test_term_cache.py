@@ -1,4 +1,4 @@
-"""Users' full-text index in memory (proxy/store/term_cache.py, term_index.py): BM25 over the
+"""Users' full-text index in memory (proxy/store/caches/term_cache.py, term_index.py): BM25 over the
 rows FTS5 holds, computed here independently from ``turns_fts``'s own tokens, with every filter,
 and still so after each kind of write; per-user statistics; FTS5 alone when it is turned off."""
 
@@ -16,9 +16,9 @@ import pytest_asyncio
 
 from proxy.search.fts_query import match_of, query_words
 from proxy.store import NewTurn, Store, backend, indexing, queries
-from proxy.store.db import Connection, driver
-from proxy.store.migrations import FTS_TOKENIZE
-from proxy.store.term_index import K1, B, terms_of
+from proxy.store.caches.term_index import K1, B, terms_of
+from proxy.store.sqlite.db import Connection, driver
+from proxy.store.sqlite.migrations import FTS_TOKENIZE
 
 pytestmark = pytest.mark.asyncio
 
@@ -264,7 +264,7 @@ async def test_another_users_archive_does_not_move_mine(store: Store) -> None:
 
 
 def _fts5(c: Connection, user: str, match: str) -> list[tuple[int, float]]:
-    from proxy.store.search import fts_search
+    from proxy.store.sqlite.search_sql import fts_search
 
     return fts_search(c, user, match, 20, session_ids=None, exclude_ids=())
 
@@ -313,7 +313,7 @@ async def test_turns_indexed_while_a_user_loads_in_the_background_are_kept(
 ) -> None:
     """A user too big to load on the spot (here: any) is loaded on the loader thread while
     FTS5 answers; turns committed during that load are added once it is in, none twice."""
-    from proxy.store import term_cache, term_index
+    from proxy.store.caches import term_cache, term_index
 
     monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)
     monkeypatch.setattr(term_index, "LOAD_CHUNK", 1)  # a slow load: one turn per statement

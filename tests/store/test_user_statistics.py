@@ -124,7 +124,7 @@ async def test_a_word_queued_while_the_count_runs_is_counted_without_another_sea
     """A search that queues a word while the background count is running does not start
     another count (one runs); the running count must then queue itself again, or the word
     waits for the next search (what made the test above fail now and then)."""
-    from proxy.store import word_counts
+    from proxy.store.caches import word_counts
 
     async with Store(store_target) as store:
         await one_turn_sessions(store, "u", ["hello there", "beagle walks"])

@@ -1,4 +1,5 @@
-"""The exact KNN over vectors held in memory (proxy/store/vec_cache.py): the same rows, distances
+"""The exact KNN over vectors held in memory (proxy/store/caches/vec_cache.py): the same rows,
+distances
 and order as vec0's exact plan, with every filter, and still so after each kind of write."""
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from proxy.store import NewTurn, Store, search
-from proxy.store.migrations import EMBED_DIM
-from proxy.store.warm import cache_split
+from proxy.store import NewTurn, Store
+from proxy.store.caches.warm import cache_split
+from proxy.store.sqlite import search_sql as search
+from proxy.store.sqlite.migrations import EMBED_DIM
 from proxy.vectors import Vector
 
 pytestmark = pytest.mark.asyncio

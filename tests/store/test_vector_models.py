@@ -14,7 +14,8 @@ import pytest
 from proxy.background.items import add_item
 from proxy.cli.importer import import_records
 from proxy.services import SERVICES
-from proxy.store import NewTurn, Store, db, migrations
+from proxy.store import NewTurn, Store
+from proxy.store.sqlite import db, migrations
 from proxy.store.vectable import table_dim, vector_state
 from testing.fake_upstream import FakeUpstream
 from testing.harness import settle, start_engram

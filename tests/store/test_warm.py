@@ -1,4 +1,5 @@
-"""Cache loads beside the readers, and the warm start (proxy/store/warm.py): the users seen last
+"""Cache loads beside the readers, and the warm start (proxy/store/caches/warm.py): the users seen
+last
 are loaded into memory before they search; a long load never holds a reader thread."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 from proxy.store import NewTurn, Store
-from proxy.store.migrations import EMBED_DIM
-from proxy.store.warm import WARM_USERS, recent_users
+from proxy.store.caches.warm import WARM_USERS, recent_users
+from proxy.store.sqlite.migrations import EMBED_DIM
 
 pytestmark = pytest.mark.asyncio
 
@@ -67,7 +68,7 @@ async def test_a_long_background_load_never_holds_a_reader(store_target: str | P
 async def test_closing_stops_a_load_in_flight(
     store_target: str | Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from proxy.store import term_cache, term_index
+    from proxy.store.caches import term_cache, term_index
 
     monkeypatch.setattr(term_cache, "LOAD_NOW_ROWS", 0)
     monkeypatch.setattr(term_index, "LOAD_CHUNK", 1)  # a slow load: one turn per statement

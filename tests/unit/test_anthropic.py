@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from proxy.chat.anthropic import AnthropicMessages, error_body, hints
-from proxy.chat.anthropic_neutral import ORIGIN, AnthropicConversation
+from proxy.chat.anthropic.adapter import AnthropicMessages, error_body, hints
+from proxy.chat.anthropic.neutral import ORIGIN, AnthropicConversation
 from proxy.chat.prompt import append_to_system, assemble, with_leading_text
 from proxy.errors import BadRequest
 from proxy.messages import chain_hashes

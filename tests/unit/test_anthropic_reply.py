@@ -11,9 +11,9 @@ from typing import Any
 import anthropic
 import pytest
 
-from proxy.chat.anthropic import AnthropicMessages
-from proxy.chat.anthropic_neutral import ORIGIN, message_pieces
-from proxy.chat.anthropic_reply import StreamReader, WholeReader
+from proxy.chat.anthropic.adapter import AnthropicMessages
+from proxy.chat.anthropic.neutral import ORIGIN, message_pieces
+from proxy.chat.anthropic.reply import StreamReader, WholeReader
 from proxy.messages import canonical
 from testing.fake_anthropic import anthropic_events, anthropic_message, error_event
 from testing.fake_chunks import DONE, chat_chunks, chat_completion, sse, template_violations

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.chat.openai_chat import OpenAIChat
+from proxy.chat.openai.adapter import OpenAIChat
 from proxy.errors import BadRequest
 from testing.fake_chunks import chat_chunks, chat_completion
 

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from proxy.chat.anthropic import AnthropicMessages
+from proxy.chat.anthropic.adapter import AnthropicMessages
 from proxy.chat.api import ReplyReader
-from proxy.chat.ollama import OllamaChat
-from proxy.chat.openai_chat import OpenAIChat
+from proxy.chat.ollama.adapter import OllamaChat
+from proxy.chat.openai.adapter import OpenAIChat
 from proxy.chat.recent import RecentRequests
-from proxy.chat.responses import OpenAIResponses
+from proxy.chat.responses.adapter import OpenAIResponses
 from proxy.chat.wire import CostTap
 from proxy.costs import (
     MAX_TOKENS,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from proxy.cli.doctor_pg import _vector_check
-from proxy.store.pg.probe import ServerFacts
+from proxy.store.postgres.probe import ServerFacts
 
 FACTS = ServerFacts(
     version="18.6",

@@ -10,7 +10,7 @@ import httpx
 import ollama
 import pytest
 
-from proxy.chat.ollama import ORIGIN, OllamaChat
+from proxy.chat.ollama.adapter import ORIGIN, OllamaChat
 from proxy.chat.prompt import append_to_system, with_leading_text
 from proxy.errors import BadRequest
 from proxy.messages import chain_hashes, extend_chain

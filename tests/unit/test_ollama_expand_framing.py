@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.chat.ollama_expand import LineRound, NdjsonParser
+from proxy.chat.ollama.expand import LineRound, NdjsonParser
 from testing.fake_ollama import ndjson, reply_lines, tool_call
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import ollama
 import pytest
 
-from proxy.chat.ollama import OllamaChat
+from proxy.chat.ollama.adapter import OllamaChat
 from proxy.chat.prompt import append_to_system
 from testing.fake_chunks import DONE, chat_chunks, chat_completion, make_usage, sse
 from testing.fake_ollama import PNG, tool_call

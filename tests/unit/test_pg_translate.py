@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.store.pg.connection import translate
+from proxy.store.postgres.connection import translate
 
 
 def test_placeholders_become_psycopgs_outside_quotes_and_percent_is_doubled() -> None:

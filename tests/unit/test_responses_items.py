@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from proxy.chat.prompt import append_to_system, with_leading_text
-from proxy.chat.responses import OpenAIResponses
-from proxy.chat.responses_items import MARK
+from proxy.chat.responses.adapter import OpenAIResponses
+from proxy.chat.responses.items import MARK
 from proxy.errors import BadRequest
 from proxy.messages import canonical
 from proxy.sse import AssembledReply

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from proxy.chat.api import Conversation
-from proxy.chat.responses import OpenAIResponses
-from proxy.chat.responses_reply import StreamReader, WholeReader
+from proxy.chat.responses.adapter import OpenAIResponses
+from proxy.chat.responses.reply import StreamReader, WholeReader
 from testing.fake_chunks import chat_chunks, chat_completion, make_usage, sse
 from testing.fake_responses import call_item, events, message_item, response
 
