@@ -48,6 +48,13 @@ def _lead(opening: str) -> str:
 
 # A text holding none of the openings' leads ("<", "To suggest changes…") has no block.
 _LEADS = frozenset(_lead(opening) for _, opening, _ in clients.BLOCKS)
+
+
+def may_hold_blocks(text: str) -> bool:
+    """Whether ``text`` holds the start of any block's opening (else it has no block)."""
+    return any(lead in text for lead in _LEADS)
+
+
 _TRAILING = re.compile(r"[ \t]*(?:\r?\n)*")
 _MADE_UP = [(kind, re.compile(pattern, re.DOTALL)) for kind, pattern in clients.MADE_UP]
 _PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
@@ -155,7 +162,7 @@ def split(role: str, text: str, known: Callable[[str], bool] | None = None) -> S
 def blocks(text: str) -> list[tuple[int, int, str]]:
     """``(start, end, kind)`` of the scaffolding blocks in ``text`` (with the blank space after
     each), in order, none overlapping."""
-    if not any(lead in text for lead in _LEADS):
+    if not may_hold_blocks(text):
         return []
     spans: list[tuple[int, int, str]] = []
     for kind, opening, close in _BLOCKS:
@@ -222,7 +229,7 @@ def words_of(role: str, text: str) -> str:
     stored before scaffolding was split off reads as."""
     if role in SYSTEM_ROLES:
         return ""
-    if role != "user" or not text or ("<" not in text and made_up(text) is None):
+    if role != "user" or not text or (not may_hold_blocks(text) and made_up(text) is None):
         return text
     return split(role, text).words
 

@@ -200,3 +200,37 @@ def test_unclosed_openings_cost_one_pass() -> None:
     # An opening closed only at the very end is one block.
     closed = "<system-reminder>" * 1_000 + "</system-reminder>\nhi"
     assert scaffold.split("user", closed).words == "hi"
+
+
+AIDER_INSTRUCTIONS = (
+    "To suggest changes to a file you MUST return the entire content of the updated file.\n"
+    "You MUST use this *file listing* format:\n\npath/to/filename.js\n```\n// entire file\n```\n\n"
+    "Reply in English.\n\n"
+)
+
+
+def test_aiders_own_words_are_scaffolding_and_its_query_is_the_users_words() -> None:
+    """aider 0.86 appends its editing instructions (no "<" in them) to every message typed, and
+    writes whole user messages of its own: the archive and the recall query both see only the
+    words typed (the query once kept the instructions: the fact's cosine fell to 0.2)."""
+    text = "What is my cat called?\n\n" + AIDER_INSTRUCTIONS
+    cut = scaffold.split("user", text)
+    assert cut.words == "What is my cat called?\n\n"
+    assert [p.kind for p in cut.pieces] == ["instructions"]
+    assert scaffold.join(cut.words, cut.pieces) == text
+    assert scaffold.words_of("user", text) == "What is my cat called?\n\n"
+    for own in (
+        "I am not sharing any files that you can edit yet.",
+        "Change the greeting to be more casual",
+        "I spoke to you previously about a number of things.\nwe talked",
+    ):
+        assert scaffold.words_of("user", own) == ""
+    messages = [
+        {
+            "role": "system",
+            "content": "*Briefly* summarize this partial conversation "
+            "about programming.\nInclude less detail",
+        },
+        {"role": "user", "content": "x"},
+    ]
+    assert is_housekeeping(messages)
