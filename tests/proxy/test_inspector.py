@@ -233,6 +233,10 @@ async def test_charts_fit_their_cards_at_1280_and_800_pixels(
                 if name == "overview":
                     assert "svg.saved in section#tokens" in drawn, where
                     assert "svg.spark in section#latency" in drawn, where
+                    # Memories made the prompts bigger than the clients' here: said, not a
+                    # negative saving.
+                    text = await page.text()
+                    assert "added: memories" in text and "-" not in text.split(" saved")[0][-8:]
                 else:
                     assert "svg.zonebar" in drawn, where
     finally:
