@@ -7,7 +7,6 @@ tool, memory shared with the chat routes both ways, two users' keys kept apart, 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +25,7 @@ from proxy.api.views import MAX_QUERY_CHARS
 from proxy.keys import new_key
 from proxy.services import SERVICES
 from proxy.store.keys import insert_key
+from proxy.store.sqlite.db import connect
 from testing.fake_upstream import FakeUpstream
 from testing.harness import Engram, settle, start_engram
 
@@ -55,10 +55,13 @@ def text(result: CallToolResult) -> str:
 
 
 def rows(engram: Engram, sql: str = "SELECT count(*) FROM turns") -> list[tuple[Any, ...]]:
-    """Rows read from the database file itself, by another connection."""
-    conn = sqlite3.connect(f"file:{engram.tmp.name}/engram.db?mode=ro", uri=True)
+    """Rows read from the database file itself, by another connection. Through the SQLite
+    library Engram uses: a second SQLite library in one process (the standard ``sqlite3``) does
+    not see the first's POSIX locks, and closing its file can pull the WAL index from under the
+    other (a SIGBUS, seen once in CI)."""
+    conn = connect(f"{engram.tmp.name}/engram.db", readonly=True)
     try:
-        return conn.execute(sql).fetchall()
+        return [tuple(r) for r in conn.execute(sql).fetchall()]
     finally:
         conn.close()
 
