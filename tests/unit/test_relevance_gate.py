@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+
 from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
     admit,
     content_words,
     is_question,
+    is_request,
+    only_asks,
     query_content,
 )
 
 G = GateSettings()
+_N = itertools.count()
 
 
 def hit(
@@ -20,9 +25,10 @@ def hit(
     score: float = 1.0,
     fts: int | None = 1,
     role: str = "user",
-    content: str = "My sister Marta lives in Porto",
+    content: str | None = None,
 ) -> HitFeatures:
-    return HitFeatures(score, cosine, fts, 1, role, content)
+    text = content if content is not None else f"My sister Marta lives in Porto since {next(_N)}"
+    return HitFeatures(score, cosine, fts, 1, role, text)
 
 
 def test_content_words_leave_out_greetings_thanks_and_stop_words() -> None:
@@ -73,8 +79,8 @@ def test_a_question_takes_every_hit_over_its_cosine_whatever_its_rank() -> None:
 def test_a_models_reply_needs_more_than_a_users_words() -> None:
     q = query_content("Where did I travel last spring?")
     bar = G.question_cosine + G.assistant_extra / 2
-    hits = [hit(bar, role="user"), hit(bar, role="assistant")]
-    assert admit(q, hits, G) == [0]
+    hits = [hit(0.7), hit(bar, role="user"), hit(bar, role="assistant")]
+    assert admit(q, hits, G) == [0, 1]
 
 
 def test_a_vector_only_hit_needs_the_higher_bar_and_no_cosine_passes_on_full_text() -> None:
@@ -90,3 +96,52 @@ def test_the_gate_off_passes_everything_in_order() -> None:
     hits = [hit(-1.0, content="ok"), hit(0.0)]
     assert admit(query_content("thanks"), hits, off) == [0, 1]
     assert admit(query_content("thanks"), [], G) == []
+
+
+def test_nothing_goes_unless_some_hit_is_close_to_the_message() -> None:
+    q = query_content("What can I prepare the day before?")
+    weak = [hit(G.best_cosine - 0.01), hit(0.3), hit(0.25)]
+    assert admit(q, weak, G) == []
+    q = query_content("Where does my sister live?")
+    assert admit(q, [hit(G.best_cosine), hit(0.3), hit(0.25)], G) == [0, 1, 2]
+
+
+def test_a_request_to_the_assistant_is_not_a_question_about_what_was_said() -> None:
+    for text in (
+        "Hi! Can you help me plan my week?",
+        "What should I pack for two nights?",
+        "Make that a bit shorter please.",
+        "Any tips for the first month at home?",
+        "ok, let's keep going",
+    ):
+        assert is_request(text), text
+        assert not query_content(text).question, text
+    for text in ("When did Caroline go to the support group?", "Remind me of my garage code"):
+        assert not is_request(text), text
+        assert query_content(text).question, text
+    # a statement with a request is a statement; a statement with a question is a question
+    assert not query_content("I'm moving next month. Can you help me organise it?").question
+    assert query_content("I'm moving next month. Where did I put the van's number?").question
+
+
+def test_a_turn_that_only_asks_or_asks_for_something_is_never_a_memory() -> None:
+    assert only_asks("Which dish did I say was my favourite?")
+    assert only_asks("Please keep the answers short. Can you list them?")
+    assert not only_asks("My favourite dish is bibimbap. Do you know it?")
+    q = query_content("What is my favourite dish?")
+    hits = [
+        hit(0.8, content="Which dish did I say was my favourite?"),
+        hit(0.7, content="My favourite dish is bibimbap, I could eat it every day."),
+    ]
+    assert admit(q, hits, G) == [1]
+
+
+def test_a_hit_saying_nothing_another_does_not_goes_and_the_users_words_stay() -> None:
+    q = query_content("What was the garage door code again?")
+    hits = [
+        hit(0.8, role="assistant", content="The new garage door code is 8042."),
+        hit(0.75, content="Note for later: the new garage door code is 8042."),
+        hit(0.6, content="Note for later: the new garage door code is 8042."),  # sent twice
+        hit(0.5, content="The old garage door opener broke after the power cut."),
+    ]
+    assert admit(q, hits, G) == [1, 3]
