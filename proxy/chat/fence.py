@@ -240,6 +240,16 @@ def memory_block(
     return "\n".join([opener, PREAMBLE, body, closer]), used
 
 
+def without_preamble(block: str) -> str:
+    """``block`` as a later block of the same prompt shows it: the preamble is said once per
+    prompt, by its first block (in mode ``stable`` a conversation holds many blocks, and the
+    preamble was ~40 of the ~100 tokens a one-memory block cost)."""
+    opener, _, rest = block.partition("\n")
+    if rest.startswith(PREAMBLE + "\n"):
+        return f"{opener}\n{rest[len(PREAMBLE) + 1 :]}"
+    return block
+
+
 @dataclass(frozen=True)
 class ParsedLine:
     """One line of a block, read back: its date, speaker label and text."""
@@ -253,13 +263,15 @@ def parse_block(block: str) -> list[ParsedLine]:
     """The memories of a rendered block (for tests and tools); ValueError if any line between
     the markers is not exactly one memory."""
     lines = block.split("\n")
-    if len(lines) < 4 or not lines[0].startswith(BLOCK_OPEN) or lines[1] != PREAMBLE:
+    if len(lines) > 1 and lines[1] == PREAMBLE:
+        lines.pop(1)  # a later block of a prompt goes without it (:func:`without_preamble`)
+    if len(lines) < 3 or not lines[0].startswith(BLOCK_OPEN):
         raise ValueError("not a memory block")
     tag = lines[0][len(BLOCK_OPEN) : -1].removeprefix("-")
     if markers(tag) != (lines[0], lines[-1]):
         raise ValueError("the block's markers do not match")
     out: list[ParsedLine] = []
-    for line in lines[2:-1]:
+    for line in lines[1:-1]:
         m = _LINE.match(line)
         if m is None:
             raise ValueError(f"not a memory line: {line[:80]!r}")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.chat.fence import inert_text
+from proxy.chat.fence import inert_text, without_preamble
 from proxy.messages import current_turn_start
 
 Message = dict[str, Any]
@@ -254,10 +254,15 @@ def assemble(
     kept = [i for i in history_systems if i < start]
     kept += range(start, n)
 
+    # The first block the window holds says the preamble; later ones go without it (a cut
+    # that leaves the first block out is a move of the prefix anyway).
+    first_laid = min((i for i in kept if i in earlier), default=None)
+
     def laid_again(i: int) -> Message:
         if i not in earlier:
             return msgs[i]
-        return known(with_leading_text(msgs[i], earlier[i]), sizes[i])
+        block = earlier[i] if i == first_laid else without_preamble(earlier[i])
+        return known(with_leading_text(msgs[i], block), sizes[i])
 
     window: list[tuple[Message, str, int | None]] = [
         (laid_again(i), "system" if is_system(msgs[i]) else "recent" if i < cur else "current", i)
@@ -275,6 +280,9 @@ def assemble(
         target = last_user_index(msgs, cur)
         k = next((w for w, (_, _, index) in enumerate(window) if index == target), None)
         if k is not None and target is not None:
+            if first_laid is not None:  # an earlier block in the window said the preamble
+                memory_block = without_preamble(memory_block)
+                mem_cost = count_text(memory_block) + 4
             msg, label, index = window[k]
             joined = known(with_leading_text(msg, memory_block), count(msg) + mem_cost)
             window[k] = (joined, "memory+" + label, index)

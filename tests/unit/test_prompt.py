@@ -9,6 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.chat.fence import PREAMBLE, Recalled, memory_block, parse_block, without_preamble
 from proxy.chat.prompt import MEMORY_DROPPED, SUMMARY_OPEN, assemble
 from proxy.messages import content_text
 from testing.fake_chunks import template_violations
@@ -220,6 +221,46 @@ def test_stable_mode_lays_earlier_blocks_again_so_every_turn_extends_the_last() 
     # zones lays nothing again
     zones = assemble(msgs, budget=5000, count=count, count_text=tok, laid=laid)
     assert zones.messages == plain.messages
+
+
+def _block(i: int) -> str:
+    mem = Recalled(i, "user", None, f"fact number {i}", 1_700_000_000.0, "s", 1.0)
+    return memory_block([mem], 10_000, tok, "t")[0]
+
+
+def test_the_preamble_is_said_once_by_the_first_block_of_the_prompt() -> None:
+    """Later blocks go without the preamble, every turn still extends the last byte for byte,
+    and a cut that leaves the first block out gives the window's new first block the preamble
+    (the prefix moves at a cut anyway)."""
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    laid: dict[int, str] = {}
+    previous: list[Message] | None = None
+    for i in range(6):
+        msgs.append({"role": "user", "content": f"question {i}"})
+        block = _block(i) if i % 2 == 0 else ""
+        out = assemble(
+            msgs, budget=5000, count=count, count_text=tok, memory_block=block,
+            memory_ids=[i] if block else [], mode="stable", laid=laid,
+        )  # fmt: skip
+        if previous is not None:
+            assert json.dumps(out.messages).startswith(json.dumps(previous)[:-1])
+        if block:
+            laid[len(msgs) - 1] = block
+            if i > 0:
+                assert out.memory_tokens == tok(without_preamble(block)) + 4
+        previous = out.messages
+        msgs.append({"role": "assistant", "content": f"answer {i}"})
+    texts = [m["content"][0]["text"] for m in previous or [] if isinstance(m["content"], list)]
+    assert [PREAMBLE in t for t in texts] == [True, False, False]
+    assert [[p.text for p in parse_block(t.strip())] for t in texts] == [
+        [f"fact number {i}"] for i in (0, 2, 4)
+    ]
+    # a window that starts after the first block: the next one says it
+    msgs.append({"role": "user", "content": "last " * 40})
+    out = assemble(msgs, budget=260, count=count, count_text=tok, mode="stable", laid=laid)
+    assert out.rewritten and out.window_start > 1
+    texts = [m["content"][0]["text"] for m in out.messages if isinstance(m["content"], list)]
+    assert texts and PREAMBLE in texts[0] and all(PREAMBLE not in t for t in texts[1:])
 
 
 def test_a_window_too_small_for_the_laid_blocks_cuts_them_with_their_messages() -> None:
