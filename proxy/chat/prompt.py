@@ -69,6 +69,14 @@ def is_system(msg: Message) -> bool:
     return msg.get("role") in ("system", "developer")
 
 
+def whole_within(mode: str, whole_share: float) -> float:
+    """The share of the budget a conversation goes whole within: ``whole_share`` in mode zones
+    (rewriting starts when it pays), all of it in mode stable (a cut, or a tool output swapped
+    for a reference, moves the prefix and the model server recomputes all after it: it waits
+    until the conversation no longer fits)."""
+    return 1.0 if mode == "stable" else whole_share
+
+
 def units(messages: Sequence[Message], start: int, end: int) -> list[tuple[int, int]]:
     """``[a, b)`` index ranges of indivisible units in ``messages[start:end]``."""
     out: list[tuple[int, int]] = []

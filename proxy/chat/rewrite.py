@@ -34,6 +34,7 @@ from proxy.chat.prompt import (
     fixed_tokens,
     is_system,
     last_user_index,
+    whole_within,
 )
 from proxy.chat.recall import Recall
 from proxy.chat.turn import Laid, MemoryTurn
@@ -130,7 +131,8 @@ class Rewriter:
         mt.budget = budget
         sizes = await self.message_sizes(mt)
         model = mt.model
-        full = budget is None or sum(sizes.values()) > s.prompt.whole_share * budget
+        share = whole_within(s.prompt.mode, s.prompt.whole_share)
+        full = budget is None or sum(sizes.values()) > share * budget
         swap = full or s.slots.replace == "always"  # (slots.replace: the prefix holds till full)
         view = mt.view = await self.slot_view(mt) if swap else mt.messages
         if view is not mt.messages:  # the references, counted once (the assembler asks often)
@@ -177,17 +179,21 @@ class Rewriter:
         room = self.memory_room(budget) if recall else 0
         mt.memory_room = room if budget is None else max(0, min(room, budget - fixed))
         mem_room = mt.memory_room
+        # Zones keeps the memory's room free in the window; stable gives memory what the
+        # window leaves (a cut moves the prefix: only an overflowing conversation is cut).
         draft = assemble(
             view,
-            budget=None if budget is None else budget - mem_room,
+            budget=None if budget is None or stable else budget - mem_room,
             count=count,
             count_text=count_text,
             mode=s.prompt.mode,
-            whole_share=s.prompt.whole_share,
+            whole_share=share,
             summary=mt.summary,
             previous_start=mt.previous_start,
             laid=laid,
         )
+        if stable and budget is not None:
+            mt.memory_room = max(0, min(mem_room, budget - draft.tokens - BLOCK_SLACK))
         memories: list[Recalled] = []
         if mt.laid is not None and mt.laid.current_memories is not None:
             # The same message as before (a tool loop's next request, a regenerated reply):
@@ -445,7 +451,7 @@ class Rewriter:
             memory_block=block,
             memory_ids=mt.injected,
             mode=s.prompt.mode,
-            whole_share=s.prompt.whole_share,
+            whole_share=whole_within(s.prompt.mode, s.prompt.whole_share),
             summary=mt.summary,
             previous_start=mt.previous_start,
             laid=mt.laid.blocks if mt.laid is not None else None,

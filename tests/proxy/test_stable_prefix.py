@@ -319,3 +319,54 @@ async def test_a_tool_loop_from_the_first_message_keeps_its_block(
         assert extends(follow, first)
     finally:
         await engram.close()
+
+
+async def test_a_conversation_that_fits_goes_whole_and_memory_takes_the_room_left(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    """A cut moves the prefix: mode stable cuts only a conversation that no longer fits (zones
+    starts rewriting at prompt.whole_share, 80 %, and kept the memory's whole room free), and a
+    memory block takes what room the conversation leaves."""
+    kv.n_ctx = 4096
+    engram = await start(kv, db)
+    try:
+        await tell_earlier(http, engram)
+        messages: list[dict[str, Any]] = [SYSTEM]
+        forwarded: list[list[dict[str, Any]]] = []
+        filler = "We talked about the garden, the weather and the new fence next door. " * 5
+        question = "Which cat breed does my sister raise?"
+        asked = cut = None
+        for i in range(60):
+            share = 0.0
+            if forwarded:
+                mt = engram.turns[-1].memory
+                assert mt is not None and mt.budget and mt.assembly is not None
+                share = mt.assembly.tokens / mt.budget
+            text = question if asked is None and share > 0.85 else f"Note {i}. {filler}"
+            messages.append({"role": "user", "content": text})
+            body, r = await send(http, engram, messages, max_tokens=256)
+            mt = engram.turns[-1].memory
+            assert mt is not None and mt.budget and mt.assembly is not None
+            sent = kv.chat_requests()[-1].json()["messages"]
+            if mt.assembly.rewritten:
+                cut = mt.assembly
+                break
+            if text == question:
+                asked = len(forwarded)
+                assert int(r.headers["X-Engram-Memories"].split(";")[0]) >= 1
+                assert "Siamese" in forwarded_memory([sent[-1]])
+            forwarded.append(sent)
+            messages.append(body["choices"][0]["message"])
+            await settle(engram)
+        assert asked is not None and cut is not None
+        for a, b in itertools.pairwise(forwarded):
+            assert extends(b, a)  # whole, and the block laid within, until it no longer fit
+        mt = engram.turns[-1].memory
+        assert mt is not None and mt.budget is not None
+        # the cut came when the conversation and its laid block no longer fitted, not before
+        last_whole = engram.turns[-2].memory
+        assert last_whole is not None and last_whole.assembly is not None
+        assert last_whole.assembly.tokens > 0.9 * mt.budget
+        assert cut.tokens <= mt.budget
+    finally:
+        await engram.close()
