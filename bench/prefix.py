@@ -1172,6 +1172,8 @@ def engram_sections(overrides: Mapping[str, Mapping[str, Any]]) -> dict[str, dic
         "embedder": {"model": defaults.embedder.model},
         "auth": {"loopback_admin": defaults.auth.loopback_admin},
         "limits": {"recall_deadline": defaults.limits.recall_deadline},
+        # the harness swaps tool outputs at once; the default waits until the prompt fills
+        "slots": {"replace": defaults.slots.replace},
     }
     for name, values in overrides.items():
         sections.setdefault(name, {}).update(values)
