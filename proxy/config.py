@@ -467,8 +467,9 @@ class PromptSettings:
     )
     whole_share: float = opt(
         0.8,
-        "Forward the whole conversation while it fits in this share of the budget; "
-        "rewriting starts only when it pays.",
+        "Mode zones: forward the whole conversation while it fits in this share of the "
+        "budget; rewriting starts only when it pays. Mode stable goes whole while it fits at "
+        "all (a cut moves the prefix).",
         min=0.05,
         max=1,
     )
