@@ -386,6 +386,15 @@ class RetrievalSettings:
         min=0,
         max=1,
     )
+    gate_question_share: float = opt(
+        0.75,
+        "Gate: for a question, a memory's fused score must be at least this share of the best "
+        "hit's, unless its cosine reaches gate_cosine_alone (bench.gate: 0.75 keeps 0.947 of "
+        "the top 20's evidence on LoCoMo with 11.9 memories a question, against 0.960 with "
+        "15.9 without it).",
+        min=0,
+        max=1,
+    )
     gate_min_cosine: float = opt(
         0.35,
         "Gate: the cosine to a message that is not a question a full-text hit needs (a shared "

@@ -212,6 +212,7 @@ class Recall:
                 query_vector=mt.query_vector,
                 deadline=deadline,
                 degraded=degraded,
+                distinct=True,
             )
         except RecallTimeout:  # past limits.recall_deadline: the request goes without
             mt.memory_note = "recall-timeout"

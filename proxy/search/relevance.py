@@ -21,8 +21,11 @@ reads what is absolute beside the ranks and keeps a hit only when:
   vector path did not run, or the turn has no vector yet) a full-text hit passes on its rank;
 - a question (:func:`is_question`: "when did I…?", "remind me…", but not a request to the
   assistant, :func:`is_request`: "Can you help me plan…?") asks for what was said: every
-  hit over ``question_cosine`` goes, whatever its rank (on LoCoMo, where every message is a
-  question, the evidence a top 20 holds sits anywhere in it); any other message (a statement,
+  hit over ``question_cosine`` goes whose fused score is at least ``question_share`` of the
+  best one's, whatever its rank (on LoCoMo, where every message is a question, the evidence a
+  top 20 holds sits anywhere in it; the fused score tells it from the rest far better than the
+  cosine alone does; a hit as close as ``cosine_alone`` goes whatever its score); any other
+  message (a statement,
   an instruction, small talk) takes only what is close to it, ``min_cosine``, and near the best
   hit: a fused score at least ``min_share`` of the best one's, at most ``statement_top`` of them
   (in mode ``stable`` each block stays in the prompt: a chat of statements must not fill its
@@ -128,6 +131,7 @@ class GateSettings:
     min_words: int = 2
     statement_top: int = 3
     best_cosine: float = 0.4
+    question_share: float = 0.75
 
     @classmethod
     def of(cls, retrieval: Any) -> GateSettings:
@@ -142,6 +146,7 @@ class GateSettings:
             retrieval.gate_min_words,
             retrieval.gate_statement_top,
             retrieval.gate_best_cosine,
+            retrieval.gate_question_share,
         )
 
 
@@ -196,12 +201,13 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
     if cosines and max(cosines) < g.best_cosine:
         return []  # nothing stored is close to the message
     best = max(h.score for h in hits)
-    share = 0.0 if query.question else g.min_share
+    share = g.question_share if query.question else g.min_share
     floor = share * best if best > 0 and share > 0 else float("-inf")
     bar = g.question_cosine if query.question else g.min_cosine
     out: list[int] = []
     for i, h in enumerate(hits):
-        if h.score < floor or len(content_words(h.content)) < g.min_words:
+        close = query.question and h.cosine is not None and h.cosine >= g.cosine_alone
+        if (h.score < floor and not close) or len(content_words(h.content)) < g.min_words:
             continue
         if only_asks(h.content):
             continue

@@ -24,7 +24,7 @@ from proxy.search.fts_query import STOP_WORDS, match_of, query_words
 from proxy.search.fusion import Fused, mmr, rrf
 from proxy.search.scoring import Candidate, Columns, scored_order
 from proxy.store.models import Turn, index_text
-from proxy.store.rows import turn_of
+from proxy.store.rows import CONTENT_COLUMN, turn_of
 from proxy.store.store import Store
 from proxy.vectors import Vector, as_vector
 
@@ -92,6 +92,7 @@ class Retriever:
         deadline: float | None = None,
         degraded: list[str] | None = None,
         scoring: list[Scoring] | None = None,
+        distinct: bool = False,
     ) -> list[Hit]:
         """The ``k`` best turns of ``user_id`` for ``query``. ``exclude_sessions`` and turns of
         ``exclude_roles`` are left out inside the searches (they take no candidate places);
@@ -100,7 +101,9 @@ class Retriever:
         :meth:`embed_query`). ``deadline`` (event loop time): a vector path not done by then is
         dropped, and :data:`FTS_ONLY` appended to ``degraded``; an FTS5 path not done by then
         raises :class:`RecallTimeout`. ``scoring``: where scored fusion runs, what it scored is
-        appended there (the fusion tuner, bench/tune_fusion.py, fits the weights on it)."""
+        appended there (the fusion tuner, bench/tune_fusion.py, fits the weights on it).
+        ``distinct``: a turn whose text (case and spacing aside) a better one has takes no
+        place (a model that answers alike every time would fill a top 20 with one reply)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}")
         if k <= 0 or not query.strip():
@@ -194,8 +197,14 @@ class Retriever:
         # ``keep`` hashes each turn's text: asked only until as many are kept as are used
         # (``k``, or MMR's pool)
         want, kept = (max(k * 4, 20) if use else k), []
+        texts: set[str] = set()
         for f in fused:
             if f.id in rows and (keep is None or keep(turn(f.id))):
+                if distinct:
+                    text = " ".join(str(rows[f.id][CONTENT_COLUMN]).lower().split())
+                    if text in texts:
+                        continue
+                    texts.add(text)
                 kept.append(f)
                 if len(kept) >= want:
                     break
@@ -223,7 +232,7 @@ class Retriever:
                 cosine[turn_id] = float(np.dot(v, q))  # both L2-normalised
         bm25 = dict(fts_rows)
         picked = [rows[i] for i in ids]
-        texts = [r[6] for r in picked]
+        texts = [r[CONTENT_COLUMN] for r in picked]
         return Columns(
             ids,
             [r[1] for r in picked],

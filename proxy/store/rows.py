@@ -20,6 +20,7 @@ TURN_COLS = (
     "id, session_id, user_id, position, role, speaker, content, tool_calls, tool_call_id, "
     "timestamp, token_count, content_hash, incomplete, api, recall"
 )
+CONTENT_COLUMN = 6  # of TURN_COLS
 TURN_COLS_T = ", ".join(f"t.{c.strip()}" for c in TURN_COLS.split(","))
 
 

@@ -70,10 +70,16 @@ def test_a_statement_takes_only_close_hits_near_the_best() -> None:
     assert admit(q, hits, G) == [0, 1]
 
 
-def test_a_question_takes_every_hit_over_its_cosine_whatever_its_rank() -> None:
+def test_a_question_takes_every_hit_over_its_cosine_near_the_best_score_whatever_its_rank() -> None:
     q = query_content("Where does my sister live?")
-    hits = [hit(0.6, score=1.0), hit(0.3, score=0.2), hit(0.15, score=0.9)]
-    assert admit(q, hits, G) == [0, 1]
+    hits = [
+        hit(0.6, score=1.0),
+        hit(0.25, score=0.8),
+        hit(0.15, score=0.9),  # not close enough
+        hit(0.45, score=0.7),  # far below the best score
+        hit(G.cosine_alone, score=0.5),  # but one this close goes whatever its score
+    ]
+    assert admit(q, hits, G) == [0, 1, 4]
 
 
 def test_a_models_reply_needs_more_than_a_users_words() -> None:
