@@ -77,3 +77,28 @@ async def test_words_most_turns_hold_are_left_out_of_the_fts_query(
         # every word common: the rarest one is searched for
         hits = await strict.search("u", "hello", 20, mode="fts")
         assert len(hits) == 12
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["hybrid", "fts", "vec"])
+async def test_distinct_gives_one_place_per_text(store_target: str | Path, mode: str) -> None:
+    """A model that answers alike every time must not fill the top k with one reply."""
+    embedder = HashEmbedder()
+    async with Store(store_target) as store:
+        for n in range(6):
+            sid = f"s{n}"
+            await store.get_or_create_session("u", sid)
+            texts = ["Hi there, I am here to help with your garden!", f"garden note {n}"]
+            if n == 5:
+                texts[0] = "hi there,  I am HERE to help with your garden!"  # case, spacing
+            turns = [NewTurn(i, "assistant" if i == 0 else "user", t) for i, t in enumerate(texts)]
+            await store.add_turns(sid, "u", turns, await embedder.embed_passages(texts))
+        r = Retriever(store, embedder, RetrievalSettings())
+        plain = await r.search("u", "help with the garden", 6, mode=mode)
+        once = await r.search("u", "help with the garden", 6, mode=mode, distinct=True)
+    await embedder.aclose()
+    replies = [h for h in plain if h.turn.role == "assistant"]
+    assert len(replies) >= 2  # without it, the same reply takes several places
+    texts = [" ".join(h.turn.content.lower().split()) for h in once]
+    assert len(texts) == len(set(texts)) == 6  # one place per text, the rest for the notes
+    assert sum(h.turn.role == "assistant" for h in once) == 1
