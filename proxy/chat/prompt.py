@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.chat.fence import inert_text, without_preamble
+from proxy.config import RetrievalSettings
 from proxy.messages import current_turn_start
 
 Message = dict[str, Any]
@@ -75,6 +76,14 @@ def whole_within(mode: str, whole_share: float) -> float:
     for a reference, moves the prefix and the model server recomputes all after it: it waits
     until the conversation no longer fits)."""
     return 1.0 if mode == "stable" else whole_share
+
+
+def memory_room(retrieval: RetrievalSettings, budget: int | None) -> int:
+    """Tokens the memory block may take: its cap (``retrieval.budget_tokens``), and a share of
+    the prompt budget (``retrieval.budget_share``)."""
+    if budget is None:
+        return retrieval.budget_tokens
+    return max(0, min(retrieval.budget_tokens, int(retrieval.budget_share * budget)))
 
 
 def units(messages: Sequence[Message], start: int, end: int) -> list[tuple[int, int]]:

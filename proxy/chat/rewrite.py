@@ -34,6 +34,7 @@ from proxy.chat.prompt import (
     fixed_tokens,
     is_system,
     last_user_index,
+    memory_room,
     whole_within,
 )
 from proxy.chat.recall import Recall
@@ -176,23 +177,30 @@ class Rewriter:
         if recall and stable:
             mt.laid = await self.laid(mt, view)
         laid = mt.laid.blocks if mt.laid is not None else None
-        room = self.memory_room(budget) if recall else 0
+        room = memory_room(s.retrieval, budget) if recall else 0
         mt.memory_room = room if budget is None else max(0, min(room, budget - fixed))
         mem_room = mt.memory_room
-        # Zones keeps the memory's room free in the window; stable gives memory what the
-        # window leaves (a cut moves the prefix: only an overflowing conversation is cut).
-        draft = assemble(
-            view,
-            budget=None if budget is None or stable else budget - mem_room,
-            count=count,
-            count_text=count_text,
-            mode=s.prompt.mode,
-            whole_share=share,
-            summary=mt.summary,
-            previous_start=mt.previous_start,
-            laid=laid,
-        )
-        if stable and budget is not None:
+
+        def plan(room: int) -> Assembly:  # the window, with ``room`` kept for the memory
+            return assemble(
+                view,
+                budget=None if budget is None else budget - room,
+                count=count,
+                count_text=count_text,
+                mode=s.prompt.mode,
+                whole_share=share,
+                summary=mt.summary,
+                previous_start=mt.previous_start,
+                laid=laid,
+            )
+
+        # Zones keeps the memory's room free in the window. Stable goes whole while the
+        # conversation fits, the memory taking what it leaves (a cut moves the prefix); a
+        # conversation that no longer fits is cut leaving the memory its room, as in zones.
+        draft = plan(0 if stable else mem_room)
+        if stable and budget is not None and draft.rewritten:
+            draft = plan(mem_room)
+        elif stable and budget is not None:
             mt.memory_room = max(0, min(mem_room, budget - draft.tokens - BLOCK_SLACK))
         memories: list[Recalled] = []
         if mt.laid is not None and mt.laid.current_memories is not None:
@@ -411,13 +419,6 @@ class Rewriter:
             n = self.tokens.raw(text)
             self._raw_counts[key] = n
         return n
-
-    def memory_room(self, budget: int | None) -> int:
-        """Tokens the memory block may take: its cap, and a share of the prompt budget."""
-        r = self.settings.retrieval
-        if budget is None:
-            return r.budget_tokens
-        return max(0, min(r.budget_tokens, int(r.budget_share * budget)))
 
     def assemble(
         self,

@@ -368,5 +368,16 @@ async def test_a_conversation_that_fits_goes_whole_and_memory_takes_the_room_lef
         assert last_whole is not None and last_whole.assembly is not None
         assert last_whole.assembly.tokens > 0.9 * mt.budget
         assert cut.tokens <= mt.budget
+        # past the cut the window leaves the memory its room again
+        messages += [
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "What is the code of my garage door?"},
+        ]
+        _, r = await send(http, engram, messages, max_tokens=256)
+        sent = kv.chat_requests()[-1].json()["messages"]
+        assert int(r.headers["X-Engram-Memories"].split(";")[0]) >= 1
+        assert "4711" in forwarded_memory([sent[-1]])
+        mt = engram.turns[-1].memory
+        assert mt is not None and mt.assembly is not None and mt.assembly.rewritten
     finally:
         await engram.close()
