@@ -600,10 +600,11 @@ class SlotsSettings:
     replace: str = opt(
         "when-full",
         "when-full: replace outputs only once the conversation no longer fits the budget (mode "
-        "zones: past prompt.whole_share of it; then every old one at once, and from then on). Until then the model server's "
-        "cache holds them: swapping one for a reference makes it recompute everything after "
-        "it (measured on an agent loop through llama-server: 4.5x the tokens of that request). "
-        "always: at every request, whatever the room (with the context size unknown, always).",
+        "zones: past prompt.whole_share of it; then every old one at once, and from then "
+        "on). Until then the model server's cache holds them: swapping one for a reference "
+        "makes it recompute everything after it (measured on an agent loop through "
+        "llama-server: 4.5x the tokens of that request). always: at every request, whatever "
+        "the room (with the context size unknown, always).",
         choices=("when-full", "always"),
     )
     keep_recent: str = opt(
