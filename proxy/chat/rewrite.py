@@ -194,13 +194,14 @@ class Rewriter:
                 laid=laid,
             )
 
-        # Zones keeps the memory's room free in the window. Stable goes whole while the
-        # conversation fits, the memory taking what it leaves (a cut moves the prefix); a
-        # conversation that no longer fits is cut leaving the memory its room, as in zones.
-        draft = plan(0 if stable else mem_room)
-        if stable and budget is not None and draft.rewritten:
+        # Zones keeps the memory's room free in the window. Stable goes whole while it fits,
+        # the memory taking what is left (a cut moves the prefix); a conversation that no
+        # longer fits (or was cut before) is cut leaving the memory its room, as in zones.
+        windowed = mt.previous_start is not None
+        draft = plan(0 if stable and not windowed else mem_room)
+        if stable and budget is not None and draft.rewritten and not windowed:
             draft = plan(mem_room)
-        elif stable and budget is not None:
+        elif stable and budget is not None and not draft.rewritten:
             mt.memory_room = max(0, min(mem_room, budget - draft.tokens - BLOCK_SLACK))
         memories: list[Recalled] = []
         if mt.laid is not None and mt.laid.current_memories is not None:

@@ -41,7 +41,7 @@ LoCoMo's questions and on messages that need no memory.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,7 @@ ACKNOWLEDGEMENTS = frozenset(
 """Words that carry no topic of their own in a chat (greetings, thanks, agreement)."""
 _NUMBER = re.compile(r"\d+")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+ASKS_CHARS = 2000  # what is read of a text for its questions and requests
 
 
 def content_words(text: str) -> list[str]:
@@ -109,7 +110,7 @@ def asks_what_was_said(text: str) -> bool:
     """Whether one of ``text``'s sentences is a question (:func:`is_question`) that is not a
     request to the assistant (:func:`is_request`): "I'm moving at the end of the month. Can you
     help me organise it?" is a statement and a task."""
-    parts = _SENTENCE_END.split(text.strip()[:2000]) or [text]
+    parts = _SENTENCE_END.split(text.strip()[:ASKS_CHARS]) or [text]
     return any(is_question(p) and not is_request(p) for p in parts if p.strip())
 
 
@@ -178,7 +179,7 @@ def is_request(text: str) -> bool:
     """Whether ``text`` opens by asking the assistant to do something ("Can you help me plan my
     week?", "What should I pack?", "Make it shorter", "Any tips?"): a task, not a question
     about what was said (no LoCoMo question opens so; English)."""
-    return _REQUEST.match(text.lstrip()) is not None
+    return _REQUEST.match(text.lstrip()[:200]) is not None  # its opening words only
 
 
 def only_asks(text: str) -> bool:
@@ -186,6 +187,8 @@ def only_asks(text: str) -> bool:
     turn tells nothing to recall ("Any tips for the first month?", "Make that shorter please.",
     "Which dish did I say was my favourite?"; on LoCoMo 0.3 % of the evidence, in a chat the
     user's earlier requests to the assistant)."""
+    if len(text) > ASKS_CHARS:  # a long turn says something (and is not split on every read)
+        return False
     parts = [p for p in _SENTENCE_END.split(text.strip()) if p.strip()]
     return bool(parts) and all(p.rstrip().endswith("?") or is_request(p) for p in parts)
 
@@ -205,12 +208,15 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
     floor = share * best if best > 0 and share > 0 else float("-inf")
     bar = g.question_cosine if query.question else g.min_cosine
     out: list[int] = []
+    words: dict[int, frozenset[str]] = {}
     for i, h in enumerate(hits):
         close = query.question and h.cosine is not None and h.cosine >= g.cosine_alone
-        if (h.score < floor and not close) or len(content_words(h.content)) < g.min_words:
+        if h.score < floor and not close:
             continue
-        if only_asks(h.content):
+        said = content_words(h.content)
+        if len(said) < g.min_words or only_asks(h.content):
             continue
+        words[i] = frozenset(said)
         extra = g.assistant_extra if h.role == "assistant" else 0.0
         if h.cosine is None:
             ok = h.fts is not None and query.words > 0
@@ -220,26 +226,27 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             ok = h.cosine >= bar + extra
         if ok:
             out.append(i)
-    out = distinct(out, hits)
+    out = distinct(out, hits, words)
     return out if query.question else out[: g.statement_top]
 
 
-def distinct(kept: Sequence[int], hits: Sequence[HitFeatures]) -> list[int]:
-    """``kept`` less the hits that say nothing another kept one does not: a hit whose content
-    words all appear in another's goes (a model repeating the user's fact, the same message sent
-    twice). Of two, the one with more words stays, at the better rank of the two; a user's words
-    stay before a reply with the same words."""
-    words = {i: frozenset(content_words(hits[i].content)) for i in kept}
+def distinct(
+    kept: Sequence[int], hits: Sequence[HitFeatures], words: Mapping[int, frozenset[str]]
+) -> list[int]:
+    """``kept`` less the hits that say nothing another kept one does not (``words``: each
+    one's content words): a hit whose words all appear in another's goes (a model repeating the
+    user's fact, the same message sent twice). Of two, the one with more words stays, at the
+    better rank of the two; a user's words stay before a reply with the same words."""
     out: list[int] = []
     for i in kept:
         mine = words[i]
         if any(mine < words[j] or (mine == words[j] and _before(hits[j], hits[i])) for j in out):
             continue
-        covered = [j for j in out if words[j] < mine or words[j] == mine]
+        covered = [j for j in out if words[j] <= mine]
         if covered:
             at = out.index(covered[0])
             out = [j for j in out if j not in covered]
-            out.insert(min(at, len(out)), i)
+            out.insert(at, i)
         else:
             out.append(i)
     return out

@@ -134,6 +134,8 @@ def test_a_turn_that_only_asks_or_asks_for_something_is_never_a_memory() -> None
     assert only_asks("Which dish did I say was my favourite?")
     assert only_asks("Please keep the answers short. Can you list them?")
     assert not only_asks("My favourite dish is bibimbap. Do you know it?")
+    assert not only_asks("Why? " * 1000)  # a long turn is not split sentence by sentence
+    assert not is_request("I " + "ok " * 20_000)  # only its opening words are read
     q = query_content("What is my favourite dish?")
     hits = [
         hit(0.8, content="Which dish did I say was my favourite?"),
