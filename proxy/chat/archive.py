@@ -31,6 +31,7 @@ from proxy.limits import cut_text
 from proxy.logs import event
 from proxy.messages import content_text, extend_chain, without_lone_surrogates
 from proxy.redact import redact
+from proxy.said import said_chain, step
 from proxy.store import scaffolds
 from proxy.store.blocks import put_block
 from proxy.store.models import NewTurn, Session, embed_text, text_hash
@@ -40,8 +41,10 @@ from proxy.tokens import estimate
 
 log = logging.getLogger("engram.archive")
 
-# New messages with more text than this are made into archive rows on a thread.
+# New messages with more text than this (or a request of more messages) are made into archive
+# rows on a thread.
 THREAD_CHARS = 20_000
+THREAD_MESSAGES = 500
 
 
 def to_new_turns(
@@ -56,17 +59,23 @@ def to_new_turns(
     api: str | None = None,
     texts: Sequence[str] | None = None,
     known: Collection[str] = (),
+    said: Sequence[str | None] | None = None,
 ) -> list[NewTurn]:
     """Archive rows for ``messages`` (already known new), positions from ``first``; a text
     longer than ``max_bytes`` (UTF-8; 0: any length) is stored cut, with a note. Each row holds
     the message's words; its scaffolding (:mod:`proxy.scaffold`) goes with it as pieces, a user's
     long paragraph whose hash is in ``known`` among them. ``texts``: the messages' texts as
-    :func:`archive_texts` made them, when the caller has them already."""
+    :func:`archive_texts` made them, when the caller has them already; ``said``: each message's
+    said hash (:mod:`proxy.said`)."""
     if texts is None:
         texts = archive_texts(messages, redact_secrets, max_bytes)
+    if said is None:
+        said = [None] * len(messages)
     is_known = known.__contains__ if known else None
     out: list[NewTurn] = []
-    for i, (msg, chain, text) in enumerate(zip(messages, chains, texts, strict=True)):
+    for i, (msg, chain, text, said_hash) in enumerate(
+        zip(messages, chains, texts, said, strict=True)
+    ):
         calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
         if redact_secrets and calls:
             calls = [_redact_call(c) for c in calls]
@@ -90,6 +99,7 @@ def to_new_turns(
                 api=api,
                 scaffold=pieces,
                 sightings=sightings,
+                said_hash=said_hash,
             )
         )
     return out
@@ -150,15 +160,22 @@ class Archive:
         placement = mt.placement
         assert placement is not None
         first = placement.matched
-        new = mt.messages[first:]
-        chars = sum(len(content_text(m.get("content"))) for m in new)
-        big = chars > THREAD_CHARS
+        chars = sum(len(content_text(m.get("content"))) for m in mt.messages[first:])
+        big = chars > THREAD_CHARS or len(mt.messages) > THREAD_MESSAGES
 
-        def texts() -> tuple[list[str], list[str]]:
+        def texts() -> tuple[list[int], list[str | None], list[str], list[str]]:
+            said, mt.said = said_chain(mt.messages)
+            # Placed by what was said: only the new messages that say something are stored.
+            picked = [
+                i
+                for i in range(first, len(mt.messages))
+                if not placement.by_words or said[i] is not None
+            ]
+            new = [mt.messages[i] for i in picked]
             made = archive_texts(new, self.redact_secrets, self.max_bytes)
-            return made, repeat_candidates(new, made)
+            return picked, said, made, repeat_candidates(new, made)
 
-        made, candidates = await asyncio.to_thread(texts) if big else texts()
+        picked, said, made, candidates = await asyncio.to_thread(texts) if big else texts()
         known: set[str] = set()
         if candidates:  # a long paragraph the user sent in another session is scaffolding
             user, sid = placement.session.user_id, placement.session.id
@@ -169,8 +186,8 @@ class Archive:
 
         def make() -> list[NewTurn]:
             return to_new_turns(
-                new,
-                mt.chains[first:],
+                [mt.messages[i] for i in picked],
+                [mt.chains[i] for i in picked],
                 placement.next_position,
                 self.redact_secrets,
                 now,
@@ -178,6 +195,7 @@ class Archive:
                 api=mt.api,
                 texts=made,
                 known=known,
+                said=[said[i] for i in picked],
             )
 
         return await asyncio.to_thread(make) if big else make()
@@ -198,7 +216,8 @@ class Archive:
         if reply_message is not None and (text or reply_message.get("tool_calls")):
             reply = without_lone_surrogates(reply_message)
             prev = mt.chains[-1] if mt.chains else ""
-            position = placement.next_position + len(mt.messages) - placement.matched
+            position = placement.next_position + len(rows)
+            said = mt.said
 
             def make() -> list[NewTurn]:
                 chain = extend_chain(prev, reply)
@@ -212,6 +231,7 @@ class Archive:
                     incomplete=not complete,
                     max_bytes=self.max_bytes,
                     api=mt.api,
+                    said=[step(said, reply)[1]],
                 )
 
             # A long reply is redacted on a thread: the client is waiting for its last byte.

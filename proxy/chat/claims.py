@@ -69,7 +69,9 @@ def fork_of(placement: Placement, now: float) -> Placement:
     planned = dataclasses.replace(
         placement.session, id=sid, name=sid, created_at=now, last_seen=now
     )
-    return Placement(planned, placement.matched, False, True, placement.next_position)
+    return Placement(
+        planned, placement.matched, False, True, placement.next_position, (), placement.by_words
+    )
 
 
 def _session(conn: Connection, placement: Placement, sid: str) -> Session | None:

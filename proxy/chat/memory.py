@@ -206,6 +206,7 @@ class MemoryService:
             ident.parent,
             ident.agent,
             self.settings.sessions.max_depth,
+            messages,
         )
         # Placement only reads: a new session is created by the commit, once the upstream has
         # accepted the request (a rejected one leaves nothing behind).
@@ -316,7 +317,10 @@ class MemoryService:
         await self.archive.commit(mt, reply_message, complete)
         self._record(mt)
         if mt.summary_upto is not None:
-            self._schedule_summary(mt, mt.summary_upto)
+            upto, placement = mt.summary_upto, mt.placement
+            if placement is not None and placement.by_words:  # its positions are not indexes
+                upto = max(0, upto + placement.next_position - placement.matched)
+            self._schedule_summary(mt, upto)
 
     def _schedule_summary(self, mt: MemoryTurn, upto: int) -> None:
         """Fold what aged out of the window into the session's summary, after the archive."""

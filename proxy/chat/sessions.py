@@ -35,12 +35,14 @@ import dataclasses
 import hashlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from proxy import said
 from proxy.chat.turn import Placement
 from proxy.errors import NestingLimitExceeded, ParentNotFound
-from proxy.store import queries, twins
+from proxy.store import queries, said_match, twins
 from proxy.store.models import NewTurn, Session
 from proxy.store.naming import RESERVED_PREFIXES, create_named, free_session_id, named_session
 from proxy.store.sqlite.db import Connection
@@ -133,6 +135,9 @@ class PlacementRequest:
     parent: str | None = None
     agent: str | None = None
     max_depth: int = 2
+    # The messages (for a match by what was said when the chain as sent finds their history
+    # nowhere: proxy.said).
+    messages: Sequence[Mapping[str, Any]] = ()
 
 
 def place(conn: Connection, req: PlacementRequest, now: float) -> Placement:
@@ -154,7 +159,8 @@ def place(conn: Connection, req: PlacementRequest, now: float) -> Placement:
                 if h not in stored:
                     break
                 matched += 1
-            return Placement(found, matched, True, False, queries.next_position(conn, found.id))
+            nxt = queries.next_position(conn, found.id)
+            return _said_in_named(conn, req, Placement(found, matched, True, False, nxt))
         # A sub-agent naming a session that is not its own child: placed by its messages.
 
     prefixes = (
@@ -176,9 +182,46 @@ def place(conn: Connection, req: PlacementRequest, now: float) -> Placement:
             return Placement(session, matched, False, False, matched, tuple(free[1:]))
         log.debug("conversation forks from %s at message %d", best, matched)
     fingerprint = chains[anchor - 1] if anchor is not None and len(chains) >= anchor else None
+    by_words = _by_words(conn, req, matched, parent)
+    if by_words is not None and by_words.index >= matched:
+        found = queries.get_session(conn, by_words.session_id) if by_words.free else None
+        if found is not None:
+            nxt = queries.next_position(conn, found.id)
+            return Placement(found, by_words.index + 1, False, False, nxt, by_words=True)
+        sid = _chain_id()  # what was said goes on otherwise than stored: a fork there
+        planned = _planned(user, sid, sid, fingerprint, now, parent, req.agent)
+        return Placement(planned, by_words.index + 1, False, True, by_words.position + 1, (), True)
     sid = _chain_id()
     planned = _planned(user, sid, sid, fingerprint, now, parent, req.agent)
     return Placement(planned, matched, False, True, matched)
+
+
+def _by_words(
+    conn: Connection, req: PlacementRequest, matched: int, parent: Session | None
+) -> said_match.SaidMatch | None:
+    """Where what the request says was said before, when the chain as sent found its history
+    (a reply after the first ``matched`` messages) nowhere: the session holding the longest
+    prefix of it through its first reply (None: none does)."""
+    if not said.unmatched_history(req.messages, matched):
+        return None
+    chain, _ = said.said_chain(req.messages)
+    anchor = said.said_anchor(req.messages, chain)
+    if anchor is None:
+        return None
+    parent_id = parent.id if parent else None
+    return said_match.longest_said(conn, req.user, chain, anchor, parent_id)
+
+
+def _said_in_named(conn: Connection, req: PlacementRequest, placement: Placement) -> Placement:
+    """A request to a named session whose history the chain as sent did not find there (a reply
+    after the matched messages): placed after what the session holds of what it says."""
+    if not said.unmatched_history(req.messages, placement.matched):
+        return placement
+    chain, _ = said.said_chain(req.messages)
+    index = said_match.said_in(conn, placement.session.id, chain)
+    if index is None or index < placement.matched:
+        return placement
+    return dataclasses.replace(placement, matched=index + 1, by_words=True)
 
 
 def _materialise(conn: Connection, placement: Placement, now: float) -> Session | None:

@@ -11,6 +11,7 @@ from proxy.chat.api import Conversation
 from proxy.chat.fence import Recalled
 from proxy.chat.identity import Identity
 from proxy.chat.prompt import Assembly
+from proxy.said import Said
 from proxy.sse import AssembledReply
 from proxy.store.models import NewTurn, Session
 
@@ -27,6 +28,9 @@ class Placement:
     # Other sessions holding the same messages up to here and nothing after (conversations that
     # started alike): where this request goes if another holds ``session``'s next position.
     alike: tuple[str, ...] = ()
+    # Placed by what was said (proxy.said), the messages as sent being stored otherwise: of the
+    # new messages only those that say something are stored (numbered from ``next_position``).
+    by_words: bool = False
 
 
 @dataclass
@@ -115,6 +119,7 @@ class MemoryTurn:
     # current user message when what is laid before it now is to be recorded with the archive.
     laid: Laid | None = None
     block_key: str | None = None
+    said: Said = field(default_factory=Said)  # the said chain after the request's messages
 
 
 @dataclass

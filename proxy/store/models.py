@@ -120,6 +120,9 @@ class NewTurn:
     sightings: tuple[str, ...] = ()
     """Hashes of the long paragraphs of ``content``: seen in another of the user's sessions,
     such a paragraph is scaffolding from then on."""
+    said_hash: str | None = None
+    """The hash over what was said through this message (:mod:`proxy.said`); None when it
+    says nothing."""
 
     def identity(self) -> str:
         """``content_hash``, or the :func:`message_hash` of this message."""

@@ -234,8 +234,8 @@ def insert_turns(
         row = conn.execute(
             "INSERT INTO turns(session_id, user_id, position, role, speaker, content, tool_calls,"
             " tool_call_id, timestamp, token_count, content_hash, embed_hash, incomplete,"
-            " fts_pending, api, embed_model, scaffold)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " fts_pending, api, embed_model, scaffold, said_hash)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
             " ON CONFLICT(session_id, position) DO NOTHING RETURNING id",
             (
                 session_id,
@@ -257,6 +257,7 @@ def insert_turns(
                 turn.api,
                 model if vec is not None else None,
                 scaffolds.refs_json(turn.scaffold),
+                turn.said_hash,
             ),
         ).fetchone()
         if row is None:  # the session holds that position already

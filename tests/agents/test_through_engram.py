@@ -44,7 +44,6 @@ from testing.agents import (
     run_qwen,
 )
 from testing.fake_upstream import FakeUpstream
-from testing.gaps import known_gap
 from testing.harness import Engram, forwarded_memory, settle, start_engram
 from testing.traffic import RecordingRelay
 from tests.agents.conftest import Record
@@ -421,13 +420,14 @@ async def test_qwen_code_recalls_a_fact_keeps_its_history_and_its_memory_extract
         assert "Managed memory has TWO directories" not in content
         assert QWEN_MEMORY not in content
     assert sum(FACT in c for _, r, c in rows if r == "user") == 1
-    # Two conversations: the fact's, and the question's continued.
-    with known_gap(
-        "issue 38, left open: Qwen Code's --continue resends the first user message without its "
-        "date reminder part, so its hash chain no longer matches the stored conversation"
-    ):
-        assert session_holding(rows, QUESTION) == session_holding(rows, "And what colour is she?")
-        assert sorted(len(v) for v in sessions_of(rows).values()) == [2, 4]
+    # Two conversations: the fact's, and the question's continued (--continue resends the first
+    # user message without its date reminder: found by what was said, proxy.said), each its
+    # system message and then every message once.
+    assert session_holding(rows, QUESTION) == session_holding(rows, "And what colour is she?")
+    assert sorted(sessions_of(rows).values()) == [
+        ["system", "user", "assistant"],
+        ["system", "user", "assistant", "user", "assistant"],
+    ]
 
 
 # ---- aider -------------------------------------------------------------------------------------
@@ -505,12 +505,11 @@ async def test_aider_recalls_a_fact_keeps_its_history_and_its_own_words_stay_out
     for _, _, content in rows:
         assert_nothing_of_aiders_own(content)
     assert sum(FACT in c for _, r, c in rows if r == "user") == 1
-    # The question's chat, continued from its history file, is one conversation.
-    with known_gap(
-        "issue 38, left open: aider's --restore-chat-history sends its history file's text, not "
-        "what it sent (no instructions, replies re-wrapped), so no stored conversation matches"
-    ):
-        assert session_holding(rows, QUESTION) == session_holding(rows, "And what colour is she?")
+    # The question's chat, continued from its history file (no instructions, replies re-wrapped:
+    # found by what was said, proxy.said), is one conversation, each message stored once.
+    asked = session_holding(rows, QUESTION)
+    assert asked == session_holding(rows, "And what colour is she?")
+    assert sum(QUESTION in c for s, r, c in rows if s == asked and r == "user") == 1
 
 
 def git(repo: Path, *args: str) -> str:

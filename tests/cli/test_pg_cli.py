@@ -69,7 +69,7 @@ async def test_doctor_passes_on_a_migrated_database(
     assert code == 0, out
     assert "ok postgres postgresql://127.0.0.1:" in out and "PostgreSQL 18" in out
     assert re.search(r"ok pgvector vector 0\.8\.\d+ installed, distances compute", out), out
-    assert "ok schema version 17 (this Engram's)" in out
+    assert "ok schema version 18 (this Engram's)" in out
     assert "ok database postgresql://127.0.0.1:" in out and "1 sessions, 1 turns" in out
     assert "ok vectors" in out and "FAIL" not in out and "sqlite-vec" not in out
 
@@ -83,7 +83,7 @@ async def test_doctor_on_a_new_database_of_a_superuser_passes(
     assert re.search(
         r"ok pgvector vector 0\.8\.\d+ available, created by Engram's first start", out
     )
-    assert "ok schema none yet: Engram's first start creates version 17" in out
+    assert "ok schema none yet: Engram's first start creates version 18" in out
     assert "skip database no schema yet" in out
     with psycopg.connect(url.replace(f":{PASSWORD}", "")) as conn:  # doctor created nothing
         assert conn.execute("SELECT to_regclass('turns')").fetchone() == (None,)
@@ -116,12 +116,12 @@ async def test_doctor_fails_without_the_extension(
     ("sql", "line"),
     [
         (
-            "DELETE FROM schema_migrations WHERE version = 17",
-            "FAIL schema version 16, behind this Engram's 17: `engram serve` migrates it at start",
+            "DELETE FROM schema_migrations WHERE version = 18",
+            "FAIL schema version 17, behind this Engram's 18: `engram serve` migrates it at start",
         ),
         (
-            "INSERT INTO schema_migrations VALUES (18, 0)",
-            "FAIL schema version 18, newer than this Engram (knows up to 17): upgrade Engram",
+            "INSERT INTO schema_migrations VALUES (19, 0)",
+            "FAIL schema version 19, newer than this Engram (knows up to 18): upgrade Engram",
         ),
     ],
     ids=["behind", "ahead"],
@@ -138,7 +138,7 @@ async def test_doctor_fails_on_a_schema_behind_or_ahead(
     assert "skip database the schema or pgvector is not as this Engram needs" in out
     with psycopg.connect(url, autocommit=True) as conn:  # doctor migrated nothing
         versions = [r[0] for r in conn.execute("SELECT version FROM schema_migrations")]
-    assert max(versions) == (16 if "behind" in line else 18)
+    assert max(versions) == (17 if "behind" in line else 19)
 
 
 @pytest.mark.asyncio

@@ -101,7 +101,9 @@ async def test_junk_failure_and_budget_leave_memory_alone(http: aiohttp.ClientSe
                 JsonReply(chat_completion("ok")),
                 JsonReply({"error": {"message": "boom"}}, status=500),
             )
-            other = [{"role": "system", "content": "Another chat."}, *long_chat(40)[1:]]
+            # Another chat (one that said the same under another system prompt would be this one).
+            said = [{**m, "content": m["content"].replace("lorem", "amet")} for m in long_chat(40)]
+            other = [{"role": "system", "content": "Another chat."}, *said[1:]]
             await post(http, engram, other)
             await settle(engram)
             assert await summary_of(engram) is None  # upstream failure: nothing stored

@@ -106,6 +106,7 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
         "scaffold",
         "recall",
         "source_turn",
+        "said_hash",
     ]
     assert _columns(conn, "embed_models") == ["id", "name", "dim"]
     assert _columns(conn, "scaffolds") == [
@@ -139,9 +140,13 @@ def test_schema_tables_indexes_and_triggers(conn: Connection) -> None:
     assert ("sessions", "session_id", "CASCADE") in fks and ("users", "user_id", "CASCADE") in fks
     fks = {(r[2], r[3], r[6]) for r in conn.execute("PRAGMA foreign_key_list(consolidation_queue)")}
     assert ("requests", "request_id", "CASCADE") in fks
-    assert {"turns_user", "turns_user_hash", "turns_embed_hash", "sessions_user"} <= _objects(
-        conn, "index"
-    )
+    assert {
+        "turns_user",
+        "turns_user_hash",
+        "turns_embed_hash",
+        "turns_said",
+        "sessions_user",
+    } <= _objects(conn, "index")
     # turns is unique on (session_id, position); sessions and turns cascade from their parents.
     uniques = [
         [r[2] for r in conn.execute(f"PRAGMA index_info({idx[1]})")]

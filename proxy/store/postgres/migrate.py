@@ -2,7 +2,7 @@
 
 Replicas starting together race to migrate: each takes the session advisory lock
 :data:`LOCK_KEY` first, so one applies what is missing and the others, once they hold it, find
-it applied. The schema itself is :mod:`proxy.store.postgres.schema`, versions 16 and 17 (SQLite's
+it applied. The schema itself is :mod:`proxy.store.postgres.schema`, versions 16 to 18 (SQLite's
 numbering).
 """
 
@@ -35,7 +35,20 @@ def prompt_blocks_sql(dim: int = 384) -> list[str]:
     ]
 
 
-MIGRATIONS: list[tuple[int, Any]] = [(16, schema.schema_sql), (17, prompt_blocks_sql)]
+def said_sql(dim: int = 384) -> list[str]:
+    """Migration 18: ``turns.said_hash`` (:mod:`proxy.said`); ``dim`` is not used."""
+    del dim
+    return [
+        'ALTER TABLE turns ADD COLUMN said_hash text COLLATE "C"',
+        "CREATE INDEX turns_said ON turns(user_id, said_hash) WHERE said_hash IS NOT NULL",
+    ]
+
+
+MIGRATIONS: list[tuple[int, Any]] = [
+    (16, schema.schema_sql),
+    (17, prompt_blocks_sql),
+    (18, said_sql),
+]
 """(version, function of the vector dimension answering the statements), ascending. The
 numbering is SQLite's: PostgreSQL starts at the schema SQLite's migrations 1-16 leave, and a
 later change to the schema takes the same number on both."""

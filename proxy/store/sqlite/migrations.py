@@ -80,6 +80,8 @@ Conventions the schema fixes (migration 1):
   runs the background job on an item, until when.
 - Migration 17 (a prompt whose prefix never moves, :mod:`proxy.store.blocks`): ``prompt_blocks``
   holds which memories were laid before which user message of a session.
+- Migration 18 (a conversation resent otherwise, :mod:`proxy.said`): ``turns.said_hash``, the
+  hash over what was said through each turn, indexed by user.
 """
 
 from __future__ import annotations
@@ -332,6 +334,7 @@ MIGRATIONS: tuple[tuple[int, Migration], ...] = (
     (15, later.m015_changes),
     (16, later.m016_leases),
     (17, later.m017_prompt_blocks),
+    (18, later.m018_said),
 )
 """(version, function), ascending. Append only."""
 

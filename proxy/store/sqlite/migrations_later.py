@@ -294,3 +294,16 @@ def m017_prompt_blocks(conn: Connection) -> None:
     """``prompt_blocks``: which memories were laid before which user message of a conversation,
     so later requests lay the same block again (:mod:`proxy.store.blocks`)."""
     execute_script(conn, PROMPT_BLOCKS_SQL)
+
+
+SAID_SQL = """
+        ALTER TABLE turns ADD COLUMN said_hash TEXT;
+        CREATE INDEX turns_said ON turns(user_id, said_hash) WHERE said_hash IS NOT NULL;
+        """
+
+
+def m018_said(conn: Connection) -> None:
+    """``turns.said_hash``: the hash over what was said through the turn (:mod:`proxy.said`),
+    so a conversation a client resends otherwise than it sent it is still found; NULL for a
+    turn that says nothing, and for turns stored before."""
+    execute_script(conn, SAID_SQL)
