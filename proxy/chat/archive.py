@@ -41,10 +41,9 @@ from proxy.tokens import estimate
 
 log = logging.getLogger("engram.archive")
 
-# New messages with more text than this (or a request of more messages) are made into archive
-# rows on a thread.
+# A request with more text than this, or more messages, is made into archive rows on a thread.
 THREAD_CHARS = 20_000
-THREAD_MESSAGES = 500
+THREAD_MESSAGES = 32
 
 
 def to_new_turns(
@@ -160,7 +159,8 @@ class Archive:
         placement = mt.placement
         assert placement is not None
         first = placement.matched
-        chars = sum(len(content_text(m.get("content"))) for m in mt.messages[first:])
+        # The said chain reads every message (4.5 ms for 400 short ones), the rows the new ones.
+        chars = sum(len(content_text(m.get("content"))) for m in mt.messages)
         big = chars > THREAD_CHARS or len(mt.messages) > THREAD_MESSAGES
 
         def texts() -> tuple[list[int], list[str | None], list[str], list[str]]:
