@@ -27,11 +27,14 @@ reads what is absolute beside the ranks and keeps a hit only when:
   cosine alone does; a hit as close as ``cosine_alone`` goes whatever its score); any other
   message (a statement,
   an instruction, small talk) takes only what is close to it, ``min_cosine``, and near the best
-  hit: a fused score at least ``min_share`` of the best one's, at most ``statement_top`` of them
+  hit: a fused score at least ``min_share`` of the best one's, at most ``statement_top`` (one)
   (in mode ``stable`` each block stays in the prompt: a chat of statements must not fill its
   window with memories);
 - a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
-  ``assistant_extra`` more cosine on each of those bars.
+  ``assistant_extra`` more cosine on each of those bars, and ``cosine_alone`` when the message
+  speaks in the first person ("Which dish did I say was my favourite?": the user asks about
+  their own words, which a model's reply at best repeats; LoCoMo's questions, about two other
+  people, never do).
 
 ``retrieval.top_k`` and the budgets are ceilings: a message that needs nothing gets nothing.
 The thresholds are settings (``[retrieval] gate_*``), calibrated by ``python -m bench.gate`` on
@@ -91,10 +94,15 @@ QUESTION_WORDS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """What the gate reads of the message: its content words, and whether it asks."""
+    """What the gate reads of the message: its content words, whether it asks, and whether it
+    is about the user's own life or words (first person: "What did I say…", "our new pet")."""
 
     words: int
     question: bool
+    own: bool = False
+
+
+FIRST_PERSON = frozenset(["i", "me", "my", "mine", "myself", "we", "us", "our", "ours"])
 
 
 def is_question(text: str) -> bool:
@@ -116,7 +124,8 @@ def asks_what_was_said(text: str) -> bool:
 
 def query_content(query: str) -> Query:
     """What the gate needs of the message."""
-    return Query(len(set(content_words(query))), asks_what_was_said(query))
+    own = any(t.lower() in FIRST_PERSON for t in tokens(query[:ASKS_CHARS]))
+    return Query(len(set(content_words(query))), asks_what_was_said(query), own)
 
 
 @dataclass(frozen=True)
@@ -125,12 +134,12 @@ class GateSettings:
 
     enabled: bool = True
     min_share: float = 0.8
-    min_cosine: float = 0.35
+    min_cosine: float = 0.5
     question_cosine: float = 0.2
     cosine_alone: float = 0.5
     assistant_extra: float = 0.03
     min_words: int = 2
-    statement_top: int = 3
+    statement_top: int = 1
     best_cosine: float = 0.4
     question_share: float = 0.75
 
@@ -218,12 +227,14 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             continue
         words[i] = frozenset(said)
         extra = g.assistant_extra if h.role == "assistant" else 0.0
+        # A question about the user's own words: a model's reply must be very close.
+        bar_here = g.cosine_alone if h.role == "assistant" and query.own else bar
         if h.cosine is None:
             ok = h.fts is not None and query.words > 0
         elif query.words == 0 or h.fts is None:
             ok = h.cosine >= g.cosine_alone + extra
         else:
-            ok = h.cosine >= bar + extra
+            ok = h.cosine >= bar_here + extra
         if ok:
             out.append(i)
     out = distinct(out, hits, words)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from proxy.search.relevance import (
@@ -59,15 +60,18 @@ def test_bare_acknowledgements_are_never_memories() -> None:
     assert admit(q, hits, G) == []
 
 
-def test_a_statement_takes_only_close_hits_near_the_best() -> None:
+def test_a_statement_takes_only_the_closest_hit_near_the_best() -> None:
+    """Not a question: one memory at most (the chat bench's statements drew loosely related
+    turns: "Okay, let's keep going." the user's "let's keep it simple"), close to it."""
     q = query_content("I'm planning a trip to Porto next week.")
     hits = [
-        hit(0.6, score=1.0),
-        hit(0.5, score=0.85),
+        hit(0.45, score=1.0),  # not close enough to a statement
         hit(0.6, score=0.5),  # far below the best score
-        hit(0.3, score=0.9),  # not close enough to a statement
+        hit(0.55, score=0.85),
+        hit(0.7, score=0.82),  # a second one
     ]
-    assert admit(q, hits, G) == [0, 1]
+    assert admit(q, hits, G) == [2]
+    assert admit(q, hits, dataclasses.replace(G, statement_top=3)) == [2, 3]
 
 
 def test_a_question_takes_every_hit_over_its_cosine_near_the_best_score_whatever_its_rank() -> None:
@@ -153,3 +157,20 @@ def test_a_hit_saying_nothing_another_does_not_goes_and_the_users_words_stay() -
         hit(0.5, content="The old garage door opener broke after the power cut."),
     ]
     assert admit(q, hits, G) == [1, 3]
+
+
+def test_a_question_about_the_users_own_words_takes_a_models_reply_only_when_very_close() -> None:
+    """ "Which dish did I say was my favourite?" drew three of the small model's babbling replies
+    that named the dish beside the user's own words (bench.prefix); a question about two other
+    people (LoCoMo's) still takes a reply as it takes a user's words."""
+    hits = [
+        hit(0.6, content="My favourite dish is bibimbap, I could eat it every day."),
+        hit(0.45, role="assistant", content="Bibimbap, a Korean fusion dish, ahem. Not sure."),
+        hit(0.55, role="assistant", content="Bibimbap with a side salad is a classic Korean meal."),
+    ]
+    own = query_content("Which dish did I say was my favourite?")
+    assert own.question and own.own
+    assert admit(own, hits, G) == [0, 2]
+    other = query_content("Which dish did Caroline say was her favourite?")
+    assert other.question and not other.own
+    assert admit(other, hits, G) == [0, 1, 2]
