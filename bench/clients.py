@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import statistics
 import time
@@ -39,6 +40,7 @@ import aiohttp
 from bench.common import DEFAULT_LOCOMO, load_locomo, machine, machine_lines
 from proxy.chat.identity import is_housekeeping
 from proxy.chat.machinery import fold, quotes_any
+from proxy.said import said_key
 from proxy.services import SERVICES
 from testing.fake_upstream import FakeUpstream
 from testing.harness import settle, start_engram
@@ -88,6 +90,33 @@ def recorded(path: Path) -> list[dict[str, Any]]:
     return sorted(direct, key=lambda x: (str(x.get("via")), x.get("seq", 0)))
 
 
+def _messages(line: dict[str, Any]) -> list[dict[str, Any]]:
+    body = line.get("body")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    return [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+
+
+def reply_then(lines: list[dict[str, Any]], i: int) -> str | None:
+    """What the model answered request ``i``, where the recording does not say: the reply
+    after its last user message in a later request of the same run (aider and Qwen Code send
+    their history again, reworded: matched by what was said, :mod:`proxy.said`)."""
+    if isinstance(lines[i].get("reply"), str):
+        return str(lines[i]["reply"])
+    mine = _messages(lines[i])
+    if not mine or mine[-1].get("role") != "user":
+        return None
+    asked = said_key(mine[-1], False)[0]
+    for later in lines[i + 1 :]:
+        if later.get("via") != lines[i].get("via"):
+            continue
+        msgs = _messages(later)
+        for a, b in itertools.pairwise(msgs):
+            answered = a.get("role") == "user" and b.get("role") == "assistant"
+            if answered and isinstance(b.get("content"), str) and said_key(a, False)[0] == asked:
+                return str(b["content"])
+    return None
+
+
 async def replay(path: Path) -> Tally:
     lines = recorded(path)
     tally = Tally(path.stem)
@@ -100,7 +129,7 @@ async def replay(path: Path) -> Tally:
             memory = engram.app[SERVICES].pipelines["openai-chat"].memory
             echo = fake.reply_text
             assert memory is not None
-            for line in lines:
+            for i, line in enumerate(lines):
                 if line.get("path") not in CHAT_PATHS or line.get("method") != "POST":
                     continue
                 kind = kind_of(line)
@@ -111,7 +140,7 @@ async def replay(path: Path) -> Tally:
                     if k.lower().startswith(KEEP_HEADERS) or k.lower() == "content-type"
                 }
                 headers.setdefault("X-Engram-User", f"bench-{path.stem}")
-                reply = line.get("reply")  # what the model said then (a real one, maybe)
+                reply = reply_then(lines, i)  # what the model said then (a real one, maybe)
                 said_then = functools.partial(said, reply) if isinstance(reply, str) else None
                 fake.reply_text = said_then or echo
                 started = time.perf_counter()
