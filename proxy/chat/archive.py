@@ -59,21 +59,25 @@ def to_new_turns(
     texts: Sequence[str] | None = None,
     known: Collection[str] = (),
     said: Sequence[str | None] | None = None,
+    client_replies: Sequence[bool] | None = None,
 ) -> list[NewTurn]:
     """Archive rows for ``messages`` (already known new), positions from ``first``; a text
     longer than ``max_bytes`` (UTF-8; 0: any length) is stored cut, with a note. Each row holds
     the message's words; its scaffolding (:mod:`proxy.scaffold`) goes with it as pieces, a user's
     long paragraph whose hash is in ``known`` among them. ``texts``: the messages' texts as
     :func:`archive_texts` made them, when the caller has them already; ``said``: each message's
-    said hash (:mod:`proxy.said`)."""
+    said hash (:mod:`proxy.said`); ``client_replies``: which are replies to a client's own
+    context (:func:`proxy.scaffold.answers_client`)."""
     if texts is None:
         texts = archive_texts(messages, redact_secrets, max_bytes)
     if said is None:
         said = [None] * len(messages)
+    if client_replies is None:
+        client_replies = [False] * len(messages)
     is_known = known.__contains__ if known else None
     out: list[NewTurn] = []
-    for i, (msg, chain, text, said_hash) in enumerate(
-        zip(messages, chains, texts, said, strict=True)
+    for i, (msg, chain, text, said_hash, client_reply) in enumerate(
+        zip(messages, chains, texts, said, client_replies, strict=True)
     ):
         calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
         if redact_secrets and calls:
@@ -81,7 +85,7 @@ def to_new_turns(
         name = msg.get("name") if isinstance(msg.get("name"), str) else None
         call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
         role = str(msg.get("role"))
-        words, pieces, sightings = scaffold.archived(role, text, is_known)
+        words, pieces, sightings = scaffold.archived(role, text, is_known, client_reply)
         out.append(
             NewTurn(
                 position=first + i,
@@ -163,7 +167,7 @@ class Archive:
         chars = sum(len(content_text(m.get("content"))) for m in mt.messages)
         big = chars > THREAD_CHARS or len(mt.messages) > THREAD_MESSAGES
 
-        def texts() -> tuple[list[int], list[str | None], list[str], list[str]]:
+        def texts() -> tuple[list[int], list[str | None], list[str], list[str], list[bool]]:
             said, mt.said = said_chain(mt.messages)
             # Placed by what was said: only the new messages that say something are stored.
             picked = [
@@ -173,9 +177,10 @@ class Archive:
             ]
             new = [mt.messages[i] for i in picked]
             made = archive_texts(new, self.redact_secrets, self.max_bytes)
-            return picked, said, made, repeat_candidates(new, made)
+            client = [scaffold.answers_client(mt.messages, i) for i in picked]
+            return picked, said, made, repeat_candidates(new, made), client
 
-        picked, said, made, candidates = await asyncio.to_thread(texts) if big else texts()
+        picked, said, made, candidates, client = await asyncio.to_thread(texts) if big else texts()
         known: set[str] = set()
         if candidates:  # a long paragraph the user sent in another session is scaffolding
             user, sid = placement.session.user_id, placement.session.id
@@ -196,6 +201,7 @@ class Archive:
                 texts=made,
                 known=known,
                 said=[said[i] for i in picked],
+                client_replies=client,
             )
 
         return await asyncio.to_thread(make) if big else make()
@@ -218,6 +224,7 @@ class Archive:
             prev = mt.chains[-1] if mt.chains else ""
             position = placement.next_position + len(rows)
             said = mt.said
+            answers = scaffold.answers_client([*mt.messages, reply], len(mt.messages))
 
             def make() -> list[NewTurn]:
                 chain = extend_chain(prev, reply)
@@ -232,6 +239,7 @@ class Archive:
                     max_bytes=self.max_bytes,
                     api=mt.api,
                     said=[step(said, reply)[1]],
+                    client_replies=[answers],
                 )
 
             # A long reply is redacted on a thread: the client is waiting for its last byte.

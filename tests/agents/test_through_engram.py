@@ -434,11 +434,13 @@ async def test_qwen_code_recalls_a_fact_keeps_its_history_and_its_memory_extract
 
 AIDER_SUMMARY = "*Briefly* summarize this partial conversation about programming."
 AIDER_COMMIT = "You are an expert software engineer that generates concise, one-line Git commit"
-# What aider writes in the user's place: its example conversation (every request), the
+# What aider writes in the user's place (and the replies to it): its example conversation (every
+# request), the
 # instructions after each message, the hand-over of a summarized history, its repository map
 # and the files it added.
 AIDER_OWN = (
     "Change the greeting to be more casual",
+    "Switch the greeting text from",  # the example's reply
     "I switched to a new code base",
     "I am not sharing any files that you can edit yet",
     "To suggest changes to a file you MUST return",
