@@ -11,8 +11,10 @@ The *said* chain covers only what people said, so it stays the same through all 
 - system and developer messages say nothing;
 - a user message says its words (:func:`proxy.scaffold.split`: reminder, environment and
   instruction blocks, and whole messages a client writes in the user's place, left out), with
-  its white space collapsed; a message of no words says nothing, and neither do the replies to it
-  (aider's example exchange and its "Ok." to each file-context message);
+  its white space collapsed; a message of no words says nothing, and the replies to context a
+  client wrote in the user's place say nothing either (aider's example exchange, its "Ok." to
+  each file-context message: :func:`client_reply`, archived as scaffolding); a reply to a
+  retry or a hand-over is the model's work and says what it says;
 - an assistant message says its text (white space collapsed) and its tool calls, a tool message
   its call id and output.
 
@@ -35,8 +37,8 @@ from proxy.messages import content_text
 @dataclass(frozen=True, slots=True)
 class Said:
     """Where a said chain stands after some messages: its last hash ("" before any said
-    message), and whether the last user message said nothing (its replies say nothing
-    either)."""
+    message), and whether the last user message was context a client wrote in the user's place
+    (its replies say nothing either)."""
 
     last: str = ""
     quiet: bool = False
@@ -56,15 +58,16 @@ def _calls(message: Mapping[str, Any]) -> list[Any]:
 
 def said_key(message: Mapping[str, Any], quiet: bool) -> tuple[str | None, bool]:
     """What ``message`` says, as text to hash (None: nothing), and whether the replies after
-    it say nothing (``quiet``: the user message they answer said nothing)."""
+    it say nothing (``quiet``: the user message they answer was a client's own context)."""
     role = message.get("role")
     if role in scaffold.SYSTEM_ROLES:
         return None, quiet
     text = content_text(message.get("content"))
     if role == "user":
-        words = " ".join(scaffold.split("user", text).words.split()) if text else ""
+        cut = scaffold.split("user", text) if text else scaffold.Split("")
+        words = " ".join(cut.words.split())
         if not words:
-            return None, True
+            return None, any(p.kind == "context" for p in cut.pieces)
         return json.dumps({"r": "user", "c": words}, ensure_ascii=False), False
     if quiet:
         return None, True
@@ -102,6 +105,13 @@ def said_chain(
         state, h = step(state, message)
         out.append(h)
     return out, state
+
+
+def client_reply(message: Mapping[str, Any], said_hash: str | None) -> bool:
+    """Whether ``message``, whose said hash is ``said_hash``, is a reply to context a client
+    wrote in the user's place (the client's, archived as scaffolding): an assistant message
+    that says nothing."""
+    return said_hash is None and message.get("role") == "assistant"
 
 
 def said_anchor(messages: Sequence[Mapping[str, Any]], said: Sequence[str | None]) -> int | None:

@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from proxy import clients
-from proxy.messages import content_text
 from proxy.store.models import Scaffold
 
 REPEAT_MIN = 200  # characters a user paragraph needs before repetition can make it scaffolding
@@ -236,19 +234,6 @@ def words_of(role: str, text: str) -> str:
     return split(role, text).words
 
 
-def answers_client(messages: Sequence[Mapping[str, Any]], i: int) -> bool:
-    """Whether message ``i`` is a reply to context a client wrote in the user's place (aider's
-    example exchange, its "Ok." to each file-context message): the client's, as that message is.
-    A reply to a retry or a hand-over is the model's work, and stays words."""
-    if messages[i].get("role") != "assistant":
-        return False
-    for message in reversed(messages[:i]):
-        if message.get("role") == "user":
-            cut = split("user", content_text(message.get("content")))
-            return not cut.words and any(p.kind == "context" for p in cut.pieces)
-    return False
-
-
 def archived(
     role: str,
     text: str,
@@ -258,7 +243,8 @@ def archived(
     """What a message's (redacted) ``text`` is archived as: its words, its pieces of
     scaffolding as the store keeps them, and the hashes of a user's long paragraphs (their
     sightings, :func:`proxy.store.scaffolds.known_paragraphs`). ``client_reply``: an assistant
-    message answering a client's own context (:func:`answers_client`), all of it scaffolding."""
+    message answering a client's own context (:func:`proxy.said.client_reply`), all of it
+    scaffolding."""
     if client_reply and role == "assistant" and text:
         cut = Split("", (Piece("context", text, 0),))
     else:

@@ -31,7 +31,7 @@ from proxy.limits import cut_text
 from proxy.logs import event
 from proxy.messages import content_text, extend_chain, without_lone_surrogates
 from proxy.redact import redact
-from proxy.said import said_chain, step
+from proxy.said import client_reply, said_chain, step
 from proxy.store import scaffolds
 from proxy.store.blocks import put_block
 from proxy.store.models import NewTurn, Session, embed_text, text_hash
@@ -67,7 +67,7 @@ def to_new_turns(
     long paragraph whose hash is in ``known`` among them. ``texts``: the messages' texts as
     :func:`archive_texts` made them, when the caller has them already; ``said``: each message's
     said hash (:mod:`proxy.said`); ``client_replies``: which are replies to a client's own
-    context (:func:`proxy.scaffold.answers_client`)."""
+    context (:func:`proxy.said.client_reply`)."""
     if texts is None:
         texts = archive_texts(messages, redact_secrets, max_bytes)
     if said is None:
@@ -76,7 +76,7 @@ def to_new_turns(
         client_replies = [False] * len(messages)
     is_known = known.__contains__ if known else None
     out: list[NewTurn] = []
-    for i, (msg, chain, text, said_hash, client_reply) in enumerate(
+    for i, (msg, chain, text, said_hash, clients_own) in enumerate(
         zip(messages, chains, texts, said, client_replies, strict=True)
     ):
         calls = msg.get("tool_calls") if isinstance(msg.get("tool_calls"), list) else None
@@ -85,7 +85,7 @@ def to_new_turns(
         name = msg.get("name") if isinstance(msg.get("name"), str) else None
         call_id = msg.get("tool_call_id") if isinstance(msg.get("tool_call_id"), str) else None
         role = str(msg.get("role"))
-        words, pieces, sightings = scaffold.archived(role, text, is_known, client_reply)
+        words, pieces, sightings = scaffold.archived(role, text, is_known, clients_own)
         out.append(
             NewTurn(
                 position=first + i,
@@ -164,8 +164,9 @@ class Archive:
         assert placement is not None
         first = placement.matched
         # The said chain reads every message (4.5 ms for 400 short ones), the rows the new ones.
-        chars = sum(len(content_text(m.get("content"))) for m in mt.messages)
-        big = chars > THREAD_CHARS or len(mt.messages) > THREAD_MESSAGES
+        big = len(mt.messages) > THREAD_MESSAGES or (
+            sum(len(content_text(m.get("content"))) for m in mt.messages) > THREAD_CHARS
+        )
 
         def texts() -> tuple[list[int], list[str | None], list[str], list[str], list[bool]]:
             said, mt.said = said_chain(mt.messages)
@@ -177,7 +178,7 @@ class Archive:
             ]
             new = [mt.messages[i] for i in picked]
             made = archive_texts(new, self.redact_secrets, self.max_bytes)
-            client = [scaffold.answers_client(mt.messages, i) for i in picked]
+            client = [client_reply(mt.messages[i], said[i]) for i in picked]
             return picked, said, made, repeat_candidates(new, made), client
 
         picked, said, made, candidates, client = await asyncio.to_thread(texts) if big else texts()
@@ -223,8 +224,7 @@ class Archive:
             reply = without_lone_surrogates(reply_message)
             prev = mt.chains[-1] if mt.chains else ""
             position = placement.next_position + len(rows)
-            said = mt.said
-            answers = scaffold.answers_client([*mt.messages, reply], len(mt.messages))
+            said = step(mt.said, reply)[1]
 
             def make() -> list[NewTurn]:
                 chain = extend_chain(prev, reply)
@@ -238,8 +238,8 @@ class Archive:
                     incomplete=not complete,
                     max_bytes=self.max_bytes,
                     api=mt.api,
-                    said=[step(said, reply)[1]],
-                    client_replies=[answers],
+                    said=[said],
+                    client_replies=[client_reply(reply, said)],
                 )
 
             # A long reply is redacted on a thread: the client is waiting for its last byte.

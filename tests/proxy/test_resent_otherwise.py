@@ -200,3 +200,27 @@ async def test_a_system_prompt_that_changed_overnight_keeps_the_conversation(
     held = await said_in(engram, "dated")
     assert held[sid] == [opening["content"], reply, ask["content"], f"echo: {ask['content']}"]
     assert held[apart] == [opening["content"], "Lovely city!", ask["content"], held[sid][-1]]
+
+
+@pytest.mark.asyncio
+async def test_a_reply_to_a_retry_is_stored_when_placed_by_what_was_said(
+    engram: Engram, http: aiohttp.ClientSession
+) -> None:
+    """Resent otherwise with a retry and the model's continuation in its history: the
+    continuation is the model's work and is stored; the retry, the client's, is not."""
+    headers = {"X-Engram-User": "retried"}
+    system = {"role": "system", "content": "You are helpful. Today is Friday."}
+    opening = {"role": "user", "content": "Tell me about Porto."}
+    reply, sid = await send(http, engram, [system, opening], headers, False)
+    resent = [
+        {"role": "system", "content": "You are helpful. Today is Saturday."},
+        opening,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Continue from where you left off."},
+        {"role": "assistant", "content": "Its bridges are famous too."},
+        {"role": "user", "content": "And its food?"},
+    ]
+    _, again = await send(http, engram, resent, headers, False)
+    assert again == sid
+    held = await said_in(engram, "retried")
+    assert held[sid][2:] == ["Its bridges are famous too.", "And its food?", "echo: And its food?"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.said import said_anchor, said_chain, unmatched_history
+from proxy import scaffold
+from proxy.said import client_reply, said_anchor, said_chain, unmatched_history
 
 REMINDER = "<system-reminder>\nThe current date is: Saturday, December 5, 2026.\n</system-reminder>"
 AIDER_INSTRUCTIONS = (
@@ -51,29 +52,43 @@ def test_a_word_changed_changes_that_hash_and_every_one_after() -> None:
     assert chain(user("hi"), assistant("Hello!")) != chain(user("hi"), assistant("Hi there!"))
 
 
-def test_a_message_the_client_wrote_and_the_reply_to_it_say_nothing() -> None:
-    """aider's example exchange and the "Ok." to its file context, Claude Code's retries."""
-    said = chain(
+def test_a_clients_own_context_and_the_reply_to_it_say_nothing_a_retrys_reply_does() -> None:
+    """aider's example exchange and its "Ok." to its file context are aider's (archived as
+    scaffolding); the model's continuation after "Continue from where you left off" or after a
+    reminder-only message is the model's work."""
+    messages = [
+        {"role": "system", "content": "Act as an expert software developer."},
         user("Change the greeting to be more casual"),
         assistant("Ok, I will:\n\n1. Switch the greeting."),
         user("I am not sharing any files that you can edit yet."),
         assistant("Ok."),
         user("What is my cat called?"),
         assistant("Ziggy."),
+        user("Continue from where you left off."),
+        assistant("As I was saying, Ziggy suits a cat."),
         user(REMINDER),
         assistant("Noted."),
-    )
-    assert said[:4] == [None] * 4
-    assert said[4] is not None and said[5] is not None
-    assert said[6:] == [None, None]
-    # Moved elsewhere, they change nothing said.
+    ]
+    said = chain(*messages)
+    assert [h is None for h in said] == [
+        True, True, True, True, True, False, False, True, False, True, False,
+    ]  # fmt: skip
+    assert [client_reply(m, h) for m, h in zip(messages, said, strict=True)] == [
+        False, False, True, False, True, False, False, False, False, False, False,
+    ]  # fmt: skip
+    # Moved elsewhere, the client's exchanges change nothing said.
     moved = chain(
         user("What is my cat called?"),
         assistant("Ziggy."),
         user("I am not sharing any files that you can edit yet."),
         assistant("Ok."),
     )
-    assert moved[:2] == said[4:6]
+    assert moved[:2] == said[5:7] and moved[2:] == [None, None]
+    # Archived as the client's: no words, the text as sent put back from its piece.
+    words, pieces, _ = scaffold.archived("assistant", messages[2]["content"], None, True)
+    assert words == "" and [p.kind for p in pieces] == ["context"]
+    back = [scaffold.Piece(p.kind, p.content, p.at) for p in pieces]
+    assert scaffold.join(words, back) == messages[2]["content"]
 
 
 def test_tool_calls_and_their_outputs_are_said() -> None:
@@ -116,5 +131,7 @@ def test_odd_shapes_hash_without_raising() -> None:
         {"content": "no role"},
     ]
     said = chain(*odd)
-    assert said[0] is None and said[1] is None  # a number says nothing, nor its reply
-    assert len(said) == len(odd)
+    assert said[0] is None  # a number says nothing (its reply says its text)
+    assert said[1] is not None and said[3] is not None  # odd calls ignored, a lone surrogate
+    assert said[2] is None  # no output, no string id
+    assert said[4] is not None and len(said) == len(odd)

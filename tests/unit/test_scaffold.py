@@ -234,28 +234,3 @@ def test_aiders_own_words_are_scaffolding_and_its_query_is_the_users_words() -> 
         {"role": "user", "content": "x"},
     ]
     assert is_housekeeping(messages)
-
-
-def test_a_reply_to_a_clients_own_context_is_the_clients_a_reply_to_a_retry_is_not() -> None:
-    """aider's example exchange and its "Ok." to each file-context message are aider's; the
-    model's continuation after "Continue from where you left off" is the model's work."""
-    example = [
-        {"role": "system", "content": "Act as an expert software developer."},
-        {"role": "user", "content": "Change the greeting to be more casual"},
-        {"role": "assistant", "content": "Ok, I will:\n\n1. Switch the greeting text."},
-        {"role": "user", "content": "I am not sharing any files that you can edit yet."},
-        {"role": "assistant", "content": "Ok."},
-        {"role": "user", "content": "My cat is called Ziggy."},
-        {"role": "assistant", "content": "Nice name!"},
-        {"role": "user", "content": "Continue from where you left off."},
-        {"role": "assistant", "content": "As I was saying, Ziggy suits a cat."},
-    ]
-    assert [scaffold.answers_client(example, i) for i in range(len(example))] == [
-        False, False, True, False, True, False, False, False, False,
-    ]  # fmt: skip
-    words, pieces, _ = scaffold.archived("assistant", example[2]["content"], None, True)
-    assert words == "" and [p.kind for p in pieces] == ["context"]
-    assert (
-        scaffold.join(words, [scaffold.Piece(p.kind, p.content, p.at) for p in pieces])
-        == (example[2]["content"])
-    )
