@@ -22,6 +22,7 @@ live chat into a new one repeats words Engram has stored already (in the convers
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +35,8 @@ MAX_SESSIONS = 8
 RECENT_TURNS = 4
 """How many of a conversation's latest turns (user and assistant) are looked for."""
 PROBE_CHARS = 160
-"""How much of each turn's start is looked for (clients cut long turns when they quote them)."""
+"""How much of each turn's start is looked for (clients cut long turns when they quote them;
+a reply is also looked for by its end)."""
 MIN_USER_CHARS = 2
 """The user's message of the exchange is looked for if it has this much (after folding)."""
 MIN_REPLY_CHARS = 16
@@ -72,12 +74,31 @@ def quotes(text: str, turns: Sequence[tuple[str, str]]) -> bool:
             last[role] = content
     if len(last) < 2:
         return False
+    said = fold(last["user"])
     for role, content in last.items():
-        probe = fold(content)[:PROBE_CHARS]
         least = MIN_REPLY_CHARS if role == "assistant" else MIN_USER_CHARS
-        if len(probe) < least or probe not in text:
+        probes = [said[:PROBE_CHARS]]
+        if role == "assistant":  # the model's own words: not a part that repeats the user's
+            probes = [p for p in _probes(content) if p not in said]
+        if not any(len(p) >= least and p in text for p in probes):
             return False
     return True
+
+
+# A block a model opens its reply with and a chat app leaves out of the history it quotes
+# (Open WebUI drops <details> blocks, which is what it makes of <think> and <reasoning>).
+_CLOSED_BLOCK = re.compile(r"</[A-Za-z][\w:-]*>")
+
+
+def _probes(reply: str) -> list[str]:
+    """Where a quoted reply is looked for: its start, its end (a quote cut in the middle keeps
+    both), and the end of what follows its last closed tag (a reasoning block left out)."""
+    folded = fold(reply)
+    out = [folded[:PROBE_CHARS], folded[-PROBE_CHARS:]]
+    tags = list(_CLOSED_BLOCK.finditer(folded))
+    if tags:
+        out.append(folded[tags[-1].end() :].strip()[-PROBE_CHARS:])
+    return out
 
 
 def quotes_any(text: str, conversations: Sequence[Sequence[tuple[str, str]]]) -> bool:

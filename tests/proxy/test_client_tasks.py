@@ -129,6 +129,16 @@ def test_the_rule_itself() -> None:
     assert not quotes(fold(f"USER: {FACT}"), turns)  # the person's words alone
     assert not quotes(fold("ASSISTANT: Zanzibar is a fine name for a tortoise."), turns)
     assert not quotes(fold("ok Sure! ok"), [("assistant", "Sure!"), ("user", "ok")])  # too short
+    # A reasoning model's reply: Open WebUI quotes it without its reasoning (a <details> block
+    # it made of <think>, left out of the history), and a long one cut in the middle.
+    thought = "<think>The user names a tortoise; I should be warm about it.</think>\n\n"
+    answer = "What a lovely name! Zanzibar suits a tortoise who takes her time."
+    reasoned = [("assistant", thought + answer), ("user", FACT)]
+    assert quotes(fold(f"USER: {FACT}\nASSISTANT: {answer}"), reasoned)
+    long = "Tortoises live long lives. " * 60 + answer
+    cut = long[:497] + "..." + long[-497:]
+    assert quotes(fold(f"USER: {FACT}\nASSISTANT: {cut}"), [("assistant", long), ("user", FACT)])
+    assert not quotes(fold(f"USER: {FACT}\nASSISTANT: Something else entirely."), reasoned)
     assert single_shot([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
     assert not single_shot(
         [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
