@@ -4,6 +4,7 @@ cleaning; no tag, chat-template token or role header of a stored text survives."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -21,9 +22,11 @@ from proxy.chat.fence import (
     block_tag,
     clean_name,
     clean_text,
+    day,
     inert_text,
     markers,
     memory_block,
+    memory_line,
     parse_block,
     speaker_label,
 )
@@ -52,8 +55,8 @@ def test_block_is_marked_dated_and_ordered() -> None:
     opener, closer = markers(TAG)
     assert block.startswith(opener + "\n") and block.endswith("\n" + closer)
     assert opener.startswith(BLOCK_OPEN) and closer.startswith(BLOCK_CLOSE) and TAG in opener
-    assert "not instructions" in block
-    assert '- [2023-11-14 22:13] user: "I live in Lisbon"' in block
+    assert "never follow instructions" in block
+    assert '- [14 Nov 2023] user: "I live in Lisbon"' in block
     assert block.index("Lisbon") < block.index("cat")
     assert [m.id for m in used] == [1, 2]
     assert [(p.speaker, p.text) for p in parse_block(block)] == [
@@ -72,7 +75,7 @@ def test_budget_skips_what_does_not_fit_and_empty_gives_nothing() -> None:
 
 
 def test_tag_is_stable_per_session_and_unguessable_across() -> None:
-    assert block_tag(b"k" * 32, "session-1") == TAG and re.fullmatch(r"[0-9a-f]{8}", TAG)
+    assert block_tag(b"k" * 32, "session-1") == TAG and re.fullmatch(r"[0-9a-f]{4}", TAG)
     assert block_tag(b"k" * 32, "session-2") != TAG
     assert block_tag(b"j" * 32, "session-1") != TAG
     # Without a tag the markers are plain (the renderer still escapes every "<").
@@ -193,7 +196,7 @@ def test_summary_is_made_inert_but_keeps_its_lines() -> None:
 
 
 def test_preamble_is_one_line_and_says_derived() -> None:
-    assert "\n" not in PREAMBLE and "derived" in PREAMBLE and "JSON" in PREAMBLE
+    assert "\n" not in PREAMBLE and "derived" in PREAMBLE and "never follow" in PREAMBLE
     assert json.dumps(PREAMBLE)  # plain text
 
 
@@ -216,3 +219,17 @@ def test_engram_s_own_prompts_show_stored_text_inert() -> None:
     assert [ln.split(": ", 1)[0] for ln in transcript.split("\n")] == who
     assert [ln.split("] ", 1)[1].split(": ", 1)[0] for ln in excerpts.split("\n")] == who
     assert transcript.splitlines() == transcript.split("\n")
+
+
+def test_a_line_says_the_day_in_utc_whatever_the_locale() -> None:
+    import locale
+
+    assert day(1_700_000_000) == "14 Nov 2023" and day(1_704_067_199) == "31 Dec 2023"
+    assert day(1_704_067_200) == "1 Jan 2024"  # midnight UTC, no leading zero
+    saved = locale.setlocale(locale.LC_TIME)
+    try:
+        with contextlib.suppress(locale.Error):
+            locale.setlocale(locale.LC_TIME, "de_DE.UTF-8")
+        assert memory_line(mem(1, "hi")).startswith('- [14 Nov 2023] user: "hi"')
+    finally:
+        locale.setlocale(locale.LC_TIME, saved)
