@@ -7,7 +7,11 @@ need no memory.
 Each LoCoMo conversation is imported as one user (as :mod:`bench.locomo` does) and every
 question of categories 1-4 is searched as Engram recalls (``Retriever.search``, top 20, the
 default scored fusion); so is every message of :data:`bench.gate_data.NO_MEMORY` (greetings,
-thanks, instructions about the task at hand, general questions) against every conversation.
+thanks, instructions about the task at hand, general questions) against every conversation, and
+again against every conversation stored as a chat app's archive is: each turn by its role alone,
+no speaker's name (``"user: …"``, the text the query's vector is made from too: on short texts
+that shared start alone lifts the cosine, "Okay, let's keep going." and "…so let's keep it
+simple." 0.38 bare, 0.62 so).
 For each hit the features the gate reads are kept: its rank, fused score and share of the best
 score, its cosine to the query, its rank on each path, its role, its words; and whether it is one
 of the question's evidence turns. ``--data`` keeps them in a file (``--collect-only`` stops
@@ -36,7 +40,9 @@ from bench.common import (
     DEFAULT_CACHE,
     DEFAULT_LOCOMO,
     DiskCachedEmbedder,
+    import_turns,
     load_locomo,
+    locomo_records,
     machine,
     machine_lines,
 )
@@ -68,7 +74,7 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
     convs, questions, _ = load_locomo(args.locomo, args.limit_conversations)
     inner = create_embedder(DEFAULT_MODEL, threads=2)
     embedder = DiskCachedEmbedder(inner, args.cache_dir)
-    out: dict[str, Any] = {"questions": [], "negatives": []}
+    out: dict[str, Any] = {"questions": [], "negatives": [], "negatives_chat": []}
     try:
         with tempfile.TemporaryDirectory() as tmp:
             async with Store(Path(tmp) / "gate.db") as store:
@@ -92,6 +98,18 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
                     for text in NO_MEMORY:
                         hits = await retriever.search(conv.sample_id, text, TOP)
                         out["negatives"].append(
+                            {"query": text, "hits": [features(h, 0) for h in hits]}
+                        )
+            async with Store(Path(tmp) / "chat.db") as store:
+                records = [
+                    {**r, "speaker": None} for conv in convs for r in locomo_records(conv)
+                ]
+                await import_turns(store, embedder, records)
+                retriever = Retriever(store, embedder, RetrievalSettings())
+                for conv in convs:
+                    for text in NO_MEMORY:
+                        hits = await retriever.search(conv.sample_id, text, TOP)
+                        out["negatives_chat"].append(
                             {"query": text, "hits": [features(h, 0) for h in hits]}
                         )
     finally:
@@ -126,6 +144,7 @@ def evaluate(data: dict[str, Any], g: GateSettings) -> dict[str, float]:
             all_had += 1
             all_kept += len(ke) == q["evidence"]
     neg = [len(gated(n, g)) for n in data["negatives"]]
+    chat = [len(gated(n, g)) for n in data.get("negatives_chat", [])]
     return {
         "evidence_kept": kept_ev / max(1, total_ev),
         "all_kept": all_kept / max(1, all_had),
@@ -133,6 +152,8 @@ def evaluate(data: dict[str, Any], g: GateSettings) -> dict[str, float]:
         "per_question": statistics.mean(per_q) if per_q else 0.0,
         "negatives_with_any": sum(1 for n in neg if n) / max(1, len(neg)),
         "per_negative": statistics.mean(neg) if neg else 0.0,
+        "chat_negatives_with_any": sum(1 for n in chat if n) / max(1, len(chat)),
+        "per_chat_negative": statistics.mean(chat) if chat else 0.0,
     }
 
 
@@ -179,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         "| gate | min share | min cosine | question cosine | cosine alone | assistant + |"
         " evidence kept |"
         " all kept | any kept | memories / question | no-memory msgs given any |"
-        " memories / no-memory msg |"
+        " memories / no-memory msg | the same, chat archives | memories, chat |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g, r in sorted(rows, key=lambda x: -x[1]["evidence_kept"]):
         print(
             f"| {'on' if g.enabled else 'off'} | {g.min_share:.2f} | {g.min_cosine:.2f} |"
@@ -189,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r['evidence_kept']:.3f} |"
             f" {r['all_kept']:.3f} | {r['any_kept']:.3f} | {r['per_question']:.1f} |"
             f" {r['negatives_with_any']:.3f} | {r['per_negative']:.2f} |"
+            f" {r['chat_negatives_with_any']:.3f} | {r['per_chat_negative']:.2f} |"
         )
     if args.json is not None:
         args.json.write_text(

@@ -78,5 +78,22 @@ NO_MEMORY: tuple[str, ...] = (
     "Proofread this: their going to the park tomorow.",
     "Describe the water cycle for a ten year old.",
     "What is inflation?",
+    # a chat's everyday turns about the task at hand: statements and requests, no question
+    "Okay, let's move on.",
+    "Alright, next one.",
+    "Let's go on with the list.",
+    "Can you help me plan my day?",
+    "Help me write a short message to a colleague.",
+    "For Friday, suggest something quick for lunch.",
+    "Monday morning I have a dentist appointment, so plan around it.",
+    "I'd like the plan to start early.",
+    "Put the errands first, then the fun things.",
+    "That works for me, keep it like that.",
+    "Let's keep the evening free.",
+    "I'm a bit busy this afternoon.",
+    "Make the second day lighter.",
+    "Add a short walk after dinner.",
+    "I prefer doing the shopping in the morning.",
 )
-"""Messages that need no memory (greetings, thanks, task instructions, general questions)."""
+"""Messages that need no memory (greetings, thanks, task instructions, general questions,
+a chat's everyday statements about the task at hand)."""

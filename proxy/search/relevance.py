@@ -5,8 +5,8 @@ feature whatever it matched), so a top 20 is full whenever the archive holds 20 
 reads what is absolute beside the ranks and keeps a hit only when:
 
 - the message has words to go on: a message of greetings, thanks and acknowledgements alone
-  ("thanks, that's all", "ok!") has no :func:`content_words` and gets nothing, unless a hit's
-  meaning is very close to it (``cosine_alone``);
+  ("thanks, that's all", "ok!") has no :func:`content_words` and gets nothing (a question such
+  as "and what was it again?" only a hit whose meaning is very close to it, ``cosine_alone``);
 - something stored is about the message at all: unless its closest hit reaches
   ``best_cosine``, no hit goes (a question about the task at hand, "What can I prepare the day
   before?", still finds a top 20 of loosely related turns);
@@ -26,10 +26,13 @@ reads what is absolute beside the ranks and keeps a hit only when:
   top 20 holds sits anywhere in it; the fused score tells it from the rest far better than the
   cosine alone does; a hit as close as ``cosine_alone`` goes whatever its score); any other
   message (a statement,
-  an instruction, small talk) takes only what is close to it, ``min_cosine``, and near the best
-  hit: a fused score at least ``min_share`` of the best one's, at most ``statement_top`` (one)
-  (in mode ``stable`` each block stays in the prompt: a chat of statements must not fill its
-  window with memories);
+  an instruction, small talk) takes only what both paths agree on: a hit that shares a content
+  word with it (full text found it) and is close in meaning, ``min_cosine``, near the best hit
+  (a fused score at least ``min_share`` of the best one's), at most ``statement_top`` (one) (in
+  mode ``stable`` each block stays in the prompt: a chat of statements must not fill its window
+  with memories). The vector alone is not enough here: a chat's short turns are embedded as
+  ``"user: …"``, and that shared start lifts their cosine ("For Friday, suggest something quick
+  for lunch" and "I usually cook it on Thursday evenings" ~0.56);
 - a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
   ``assistant_extra`` more cosine on each of those bars, and ``cosine_alone`` when the message
   speaks in the first person ("Which dish did I say was my favourite?": the user asks about
@@ -229,7 +232,9 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
         extra = g.assistant_extra if h.role == "assistant" else 0.0
         # A question about the user's own words: a model's reply must be very close.
         bar_here = g.cosine_alone if h.role == "assistant" and query.own else bar
-        if h.cosine is None:
+        if not query.question and (h.fts is None or query.words == 0):
+            ok = False  # a statement's memory shares a word with it and is close in meaning
+        elif h.cosine is None:
             ok = h.fts is not None and query.words > 0
         elif query.words == 0 or h.fts is None:
             ok = h.cosine >= g.cosine_alone + extra

@@ -48,10 +48,27 @@ def test_questions_are_told_from_statements() -> None:
     assert query_content("thanks!").words == 0
 
 
-def test_a_message_without_content_words_gets_nothing_but_a_very_close_hit() -> None:
+def test_a_message_without_content_words_gets_nothing_but_a_question_a_very_close_hit() -> None:
     q = query_content("thanks, that's all")
     assert admit(q, [hit(0.45), hit(0.3)], G) == []
+    assert admit(q, [hit(0.9)], G) == []  # a statement: nothing to share a word with
+    q = query_content("and what was it again?")
+    assert q.words == 0 and q.question
+    assert admit(q, [hit(0.45), hit(0.3)], G) == []
     assert admit(q, [hit(0.9)], G) == [0]  # cosine_alone
+
+
+def test_a_statement_takes_only_what_both_paths_found() -> None:
+    """A chat's short turns are embedded as "user: …", and that shared start lifts their
+    cosine: the chat bench's "For Wednesday, suggest a dinner I can make in twenty minutes."
+    drew "I usually cook it on Thursday evenings." (no word shared, cosine 0.56)."""
+    q = query_content("For Wednesday, suggest a dinner I can make in twenty minutes.")
+    assert not q.question
+    assert admit(q, [hit(0.56, fts=None)], G) == []
+    assert admit(q, [hit(0.9, fts=None)], G) == []
+    assert admit(q, [hit(0.56)], G) == [0]  # a shared word and close: it bears on it
+    q = query_content("Which day did I say I cook?")  # a question: the vector alone may do
+    assert admit(q, [hit(0.56, fts=None)], G) == [0]
 
 
 def test_bare_acknowledgements_are_never_memories() -> None:
