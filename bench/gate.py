@@ -101,9 +101,7 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
                             {"query": text, "hits": [features(h, 0) for h in hits]}
                         )
             async with Store(Path(tmp) / "chat.db") as store:
-                records = [
-                    {**r, "speaker": None} for conv in convs for r in locomo_records(conv)
-                ]
+                records = [{**r, "speaker": None} for conv in convs for r in locomo_records(conv)]
                 await import_turns(store, embedder, records)
                 retriever = Retriever(store, embedder, RetrievalSettings())
                 for conv in convs:
