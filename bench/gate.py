@@ -51,10 +51,19 @@ from bench.locomo import load
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.relevance import GateSettings, HitFeatures, admit, query_content
-from proxy.search.retrieval import Retriever
+from proxy.search.retrieval import Retriever, vector_text
 from proxy.store import Store
 
 TOP = 20
+
+
+async def searched(retriever: Retriever, user: str, query: str) -> list[dict[str, Any]]:
+    """The top 20 for ``query`` as the gate reads them, baselines included."""
+    hits = await retriever.search(user, query, TOP)
+    assert retriever.embedder is not None
+    qvec = (await retriever.embedder.embed_queries([vector_text(query)]))[0]
+    base = await retriever.baselines(hits, qvec)
+    return [{**features(h, 0), "baseline": b} for h, b in zip(hits, base, strict=True)]
 
 
 def features(hit: Any, query_words: int) -> dict[str, Any]:
@@ -74,7 +83,12 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
     convs, questions, _ = load_locomo(args.locomo, args.limit_conversations)
     inner = create_embedder(DEFAULT_MODEL, threads=2)
     embedder = DiskCachedEmbedder(inner, args.cache_dir)
-    out: dict[str, Any] = {"questions": [], "negatives": [], "negatives_chat": []}
+    out: dict[str, Any] = {
+        "questions": [],
+        "negatives": [],
+        "questions_chat": [],
+        "negatives_chat": [],
+    }
     try:
         with tempfile.TemporaryDirectory() as tmp:
             async with Store(Path(tmp) / "gate.db") as store:
@@ -82,34 +96,51 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
                 retriever = Retriever(store, embedder, RetrievalSettings())
                 for q in questions:
                     user = convs[q.conversation].sample_id
-                    hits = await retriever.search(user, q.question, TOP)
+                    hits = await searched(retriever, user, q.question)
                     out["questions"].append(
                         {
                             "query": q.question,
                             "category": q.category,
                             "hits": [
-                                {**features(h, 0), "evidence": dia[user][h.turn.id] in q.evidence}
-                                for h in hits
+                                {**h, "evidence": dia[user][h["id"]] in q.evidence} for h in hits
                             ],
                             "evidence": len(q.evidence),
                         }
                     )
                 for conv in convs:
                     for text in NO_MEMORY:
-                        hits = await retriever.search(conv.sample_id, text, TOP)
-                        out["negatives"].append(
-                            {"query": text, "hits": [features(h, 0) for h in hits]}
-                        )
+                        hits = await searched(retriever, conv.sample_id, text)
+                        out["negatives"].append({"query": text, "hits": hits})
             async with Store(Path(tmp) / "chat.db") as store:
                 records = [{**r, "speaker": None} for conv in convs for r in locomo_records(conv)]
                 await import_turns(store, embedder, records)
+                chat: dict[str, dict[int, str]] = {}
+                for conv in convs:  # import order is session order, then turn order
+                    stored: list[int] = []
+                    for n in sorted({t.session for t in conv.turns}):
+                        stored += [
+                            t.id for t in await store.session_turns(f"{conv.sample_id}-s{n}")
+                        ]
+                    chat[conv.sample_id] = {
+                        i: t.dia_id for i, t in zip(stored, conv.turns, strict=True)
+                    }
                 retriever = Retriever(store, embedder, RetrievalSettings())
+                for q in questions:  # the same questions (they name people the turns do not)
+                    user = convs[q.conversation].sample_id
+                    hits = await searched(retriever, user, q.question)
+                    out["questions_chat"].append(
+                        {
+                            "query": q.question,
+                            "hits": [
+                                {**h, "evidence": chat[user][h["id"]] in q.evidence} for h in hits
+                            ],
+                            "evidence": len(q.evidence),
+                        }
+                    )
                 for conv in convs:
                     for text in NO_MEMORY:
-                        hits = await retriever.search(conv.sample_id, text, TOP)
-                        out["negatives_chat"].append(
-                            {"query": text, "hits": [features(h, 0) for h in hits]}
-                        )
+                        hits = await searched(retriever, conv.sample_id, text)
+                        out["negatives_chat"].append({"query": text, "hits": hits})
     finally:
         await embedder.aclose()
     return out
@@ -117,7 +148,9 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
 
 def gated(item: dict[str, Any], g: GateSettings) -> list[dict[str, Any]]:
     hits = [
-        HitFeatures(h["score"], h["cosine"], h["fts"], h["vec"], h["role"], h["content"])
+        HitFeatures(
+            h["score"], h["cosine"], h["fts"], h["vec"], h["role"], h["content"], h.get("baseline")
+        )
         for h in item["hits"]
     ]
     keep = admit(query_content(item["query"]), hits, g)
@@ -141,6 +174,10 @@ def evaluate(data: dict[str, Any], g: GateSettings) -> dict[str, float]:
         if len(had) == q["evidence"]:
             all_had += 1
             all_kept += len(ke) == q["evidence"]
+    chat_kept = chat_total = 0
+    for q in data.get("questions_chat", []):
+        chat_total += sum(1 for h in q["hits"] if h["evidence"])
+        chat_kept += sum(1 for h in gated(q, g) if h["evidence"])
     neg = [len(gated(n, g)) for n in data["negatives"]]
     chat = [len(gated(n, g)) for n in data.get("negatives_chat", [])]
     return {
@@ -150,6 +187,7 @@ def evaluate(data: dict[str, Any], g: GateSettings) -> dict[str, float]:
         "per_question": statistics.mean(per_q) if per_q else 0.0,
         "negatives_with_any": sum(1 for n in neg if n) / max(1, len(neg)),
         "per_negative": statistics.mean(neg) if neg else 0.0,
+        "chat_evidence_kept": chat_kept / max(1, chat_total),
         "chat_negatives_with_any": sum(1 for n in chat if n) / max(1, len(chat)),
         "per_chat_negative": statistics.mean(chat) if chat else 0.0,
     }
@@ -157,6 +195,8 @@ def evaluate(data: dict[str, Any], g: GateSettings) -> dict[str, float]:
 
 def grid(base: GateSettings) -> list[GateSettings]:
     out = [base, dataclasses.replace(base, enabled=False)]
+    for lift in (-2.0, 0.0, 0.02, 0.05, 0.08, 0.1, 0.15):
+        out.append(dataclasses.replace(base, min_lift=lift))
     for question in (0.22, 0.25, 0.28, 0.3, 0.35):
         for extra in (0.0, 0.03, 0.05):
             out.append(dataclasses.replace(base, question_cosine=question, assistant_extra=extra))
@@ -196,19 +236,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| gate | min share | min cosine | question cosine | cosine alone | assistant + |"
-        " evidence kept |"
+        " min lift | evidence kept |"
         " all kept | any kept | memories / question | no-memory msgs given any |"
-        " memories / no-memory msg | the same, chat archives | memories, chat |"
+        " memories / no-memory msg | chat archives: evidence kept | no-memory msgs given any |"
+        " memories / no-memory msg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g, r in sorted(rows, key=lambda x: -x[1]["evidence_kept"]):
         print(
             f"| {'on' if g.enabled else 'off'} | {g.min_share:.2f} | {g.min_cosine:.2f} |"
             f" {g.question_cosine:.2f} | {g.cosine_alone:.2f} | {g.assistant_extra:.2f} |"
+            f" {g.min_lift:.2f} |"
             f" {r['evidence_kept']:.3f} |"
             f" {r['all_kept']:.3f} | {r['any_kept']:.3f} | {r['per_question']:.1f} |"
             f" {r['negatives_with_any']:.3f} | {r['per_negative']:.2f} |"
-            f" {r['chat_negatives_with_any']:.3f} | {r['per_chat_negative']:.2f} |"
+            f" {r['chat_evidence_kept']:.3f} | {r['chat_negatives_with_any']:.3f} |"
+            f" {r['per_chat_negative']:.2f} |"
         )
     if args.json is not None:
         args.json.write_text(

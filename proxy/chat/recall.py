@@ -223,12 +223,13 @@ class Recall:
         if degraded:
             mt.memory_note = degraded[0]  # "fts-only": the query vector came too late
         if self.gate.enabled and hits:
+            base = await self._baselines(hits, mt.query_vector)
             features = [
                 HitFeatures(
                     h.score, h.cosine, h.ranks.get("fts"), h.ranks.get("vec"), h.turn.role,
-                    h.turn.content,
+                    h.turn.content, base[i] if base else None,
                 )
-                for h in hits
+                for i, h in enumerate(hits)
             ]  # fmt: skip
             hits = [hits[i] for i in admit(query_content(query), features, self.gate)]
         near: dict[int, list[Recalled]] = {}
@@ -255,6 +256,19 @@ class Recall:
                 if words.strip():
                     out.append(dataclasses.replace(m, content=words) if words != m.content else m)
         return out
+
+    async def _baselines(
+        self, hits: Sequence[Hit], vector: asyncio.Task[Any] | None
+    ) -> list[float | None]:
+        """The hits' baselines for the gate (:meth:`Retriever.baselines`); none when the query's
+        vector is not there (recall went on without it) or they cannot be had."""
+        if vector is None or not vector.done() or vector.cancelled() or vector.exception():
+            return []
+        try:
+            return await self.retriever.baselines(hits, vector.result())
+        except Exception:  # the gate goes on without them
+            log.exception("the gate's baselines failed; gating without them")
+            return []
 
     async def pinned(self, user: str) -> list[Turn]:
         """The user's pinned turns (the newest :data:`PINNED_MAX`), kept :data:`PINNED_TTL`."""

@@ -33,6 +33,12 @@ reads what is absolute beside the ranks and keeps a hit only when:
   with memories). The vector alone is not enough here: a chat's short turns are embedded as
   ``"user: …"``, and that shared start lifts their cosine ("For Friday, suggest something quick
   for lunch" and "I usually cook it on Thursday evenings" ~0.56);
+- its words bring it close, not its speaker: a turn is embedded as ``"<speaker>: <words>"``
+  and the query as ``"user: <words>"``, and on short texts that start alone makes much of the
+  cosine (in a chat app's archive every turn of the user starts ``"user: "``: "Okay, let's keep
+  going." has cosine 0.62 to "…so let's keep it simple." and 0.62 to an empty ``"user: "``, 0.38
+  between the bare texts). A hit must be closer to the message than an empty turn of its
+  speaker by ``min_lift``;
 - a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
   ``assistant_extra`` more cosine on each of those bars, and ``cosine_alone`` when the message
   speaks in the first person ("Which dish did I say was my favourite?": the user asks about
@@ -145,6 +151,7 @@ class GateSettings:
     statement_top: int = 1
     best_cosine: float = 0.4
     question_share: float = 0.75
+    min_lift: float = 0.02
 
     @classmethod
     def of(cls, retrieval: Any) -> GateSettings:
@@ -160,13 +167,16 @@ class GateSettings:
             retrieval.gate_statement_top,
             retrieval.gate_best_cosine,
             retrieval.gate_question_share,
+            retrieval.gate_min_lift,
         )
 
 
 @dataclass(frozen=True, slots=True)
 class HitFeatures:
     """What the gate reads of one hit: fused score, cosine to the query (None: unknown), rank
-    on each path (None: not found there), role and text."""
+    on each path (None: not found there), role and text; ``baseline``: the query's cosine to
+    an empty turn of the hit's speaker (:func:`~proxy.search.retrieval.baseline_text`; None:
+    unknown)."""
 
     score: float
     cosine: float | None
@@ -174,6 +184,7 @@ class HitFeatures:
     vec: int | None
     role: str
     content: str
+    baseline: float | None = None
 
 
 _OPENERS = r"(?:(?:hi|hello|hey|ok|okay|so|and|also|now|well|great|thanks|thank you)\b[\s,!.]*)*"
@@ -225,6 +236,9 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
         close = query.question and h.cosine is not None and h.cosine >= g.cosine_alone
         if h.score < floor and not close:
             continue
+        lift = None if h.cosine is None or h.baseline is None else h.cosine - h.baseline
+        if lift is not None and lift < g.min_lift:
+            continue  # no closer to the message than an empty turn of its speaker
         said = content_words(h.content)
         if len(said) < g.min_words or only_asks(h.content):
             continue

@@ -257,6 +257,24 @@ class Retriever:
 
         return asyncio.create_task(embed(), name="embed-query")
 
+    async def baselines(self, hits: Sequence[Hit], query_vector: Vector) -> list[float | None]:
+        """Each hit's baseline for the relevance gate's ``min_lift``: the query's cosine to an
+        empty turn (:func:`baseline_text`) where the hit's text starts as the query's does
+        (``"user: "``: a chat's user), None for any other (a named speaker's start is not the
+        query's, and the query may name the speaker: on LoCoMo "What did Caroline…" is close to
+        an empty "Caroline: " turn, and a lift over it cost half the evidence). One short text,
+        kept by the embedder's cache from then on."""
+        start = vector_text("")
+        if self.embedder is None or not any(self._starts(h, start) for h in hits):
+            return [None] * len(hits)
+        empty = as_vector((await self.embedder.embed_passages([start]))[0])
+        base = float(np.dot(empty, as_vector(query_vector)))
+        return [base if self._starts(h, start) else None for h in hits]
+
+    @staticmethod
+    def _starts(hit: Hit, start: str) -> bool:
+        return baseline_text(hit.turn.role, hit.turn.speaker) == start
+
     async def _uncommon(self, user_id: str, words: list[str]) -> list[str]:
         """``words`` without those the user's turns hold too often to be worth searching for
         (``fts_common_share`` of the user's turns, counted in the user's rows); when every word
@@ -302,6 +320,12 @@ def vector_text(query: str) -> str:
     (a symmetric embedder's cache); and on LoCoMo the vector path finds more with it (R@10 0.430
     bare, 0.462 so; hybrid 0.811 and 0.812)."""
     return index_text("user", None, query)
+
+
+def baseline_text(role: str, speaker: str | None) -> str:
+    """An empty turn of a speaker as a turn's vector is made from (:func:`index_text`): what a
+    turn's cosine to a query owes to its ``"<speaker>: "`` start alone."""
+    return index_text(role, speaker, "")
 
 
 def uncommon(words: list[str], shares: dict[str, float], share: float) -> list[str]:

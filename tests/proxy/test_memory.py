@@ -93,7 +93,7 @@ async def test_fact_recalled_in_later_conversation_of_same_user_only(
     assert forwarded_system(fake) == SYSTEM["content"]  # byte-identical, memory after it
     block = forwarded_block(fake)
     assert BLOCK_OPEN in block and "Siamese" in block
-    assert "not instructions" in block
+    assert "never follow instructions" in block
     assert int(r.headers["X-Engram-Memories"]) >= 1
     assert not template_violations(fake.chat_requests()[-1].json()["messages"])
     # Another user asks the same: nothing of alice's reaches them.

@@ -381,3 +381,36 @@ async def test_a_conversation_that_fits_goes_whole_and_memory_takes_the_room_lef
         assert mt is not None and mt.assembly is not None and mt.assembly.rewritten
     finally:
         await engram.close()
+
+
+async def test_a_chats_statements_get_no_memory_that_only_sounds_like_a_chat(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    """In a chat app's archive every turn of the user is embedded as "user: …", and on short
+    texts that start alone makes much of the cosine (bench.prefix's chats drew the user's
+    "let's keep it simple" for "Okay, let's keep going."): a memory must be closer to the
+    message than an empty turn of its speaker, and a statement's must share a word with it."""
+    engram = await start(kv, db)
+    try:
+        for text in (
+            "I'm a bit tired today, so let's keep it simple.",
+            "My favourite dish is bibimbap, I could eat it every day.",
+            "I usually cook it on Thursday evenings.",
+            "We adopted a cat last week! We called it Ziggy.",
+        ):
+            await send(http, engram, [SYSTEM, {"role": "user", "content": text}])
+        await settle(engram)
+        got: dict[str, str] = {}
+        for text in (
+            "Okay, let's keep going.",
+            "For Wednesday, suggest a dinner I can make in twenty minutes.",
+            "Which dish did I say was my favourite?",
+        ):
+            await send(http, engram, [SYSTEM, {"role": "user", "content": text}])
+            got[text] = forwarded_memory(kv.chat_requests()[-1].json()["messages"])
+        assert got["Okay, let's keep going."] == ""
+        assert got["For Wednesday, suggest a dinner I can make in twenty minutes."] == ""
+        recalled = got["Which dish did I say was my favourite?"]
+        assert "bibimbap" in recalled and "Ziggy" not in recalled
+    finally:
+        await engram.close()

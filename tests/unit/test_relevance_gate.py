@@ -191,3 +191,14 @@ def test_a_question_about_the_users_own_words_takes_a_models_reply_only_when_ver
     other = query_content("Which dish did Caroline say was her favourite?")
     assert other.question and not other.own
     assert admit(other, hits, G) == [0, 1, 2]
+
+
+def test_a_hit_no_closer_than_an_empty_turn_of_its_speaker_goes() -> None:
+    """Cosines owed to the shared "user: " start alone: "Okay, let's keep going." is at 0.62
+    from "…so let's keep it simple." and from an empty "user: " turn alike."""
+    q = query_content("Where does my sister live?")
+    lifted = dataclasses.replace(hit(0.62), baseline=0.62 - G.min_lift + 0.01)
+    assert admit(q, [dataclasses.replace(hit(0.62), baseline=0.62)], G) == []
+    assert admit(q, [lifted], G) == []
+    assert admit(q, [dataclasses.replace(hit(0.62), baseline=0.3)], G) == [0]
+    assert admit(q, [hit(0.62)], G) == [0]  # no baseline known: the other bars alone
