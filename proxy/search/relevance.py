@@ -27,7 +27,8 @@ reads what is absolute beside the ranks and keeps a hit only when:
   cosine alone does; a hit as close as ``cosine_alone`` goes whatever its score); any other
   message (a statement,
   an instruction, small talk) takes only what both paths agree on: a hit that shares a content
-  word with it (full text found it) and is close in meaning, ``min_cosine``, near the best hit
+  word with it (:func:`shares_word`; full-text search's rank is not enough, it also matches a
+  turn by its neighbours' words) and is close in meaning, ``min_cosine``, near the best hit
   (a fused score at least ``min_share`` of the best one's), at most ``statement_top`` (one) (in
   mode ``stable`` each block stays in the prompt: a chat of statements must not fill its window
   with memories). The vector alone is not enough here: a chat's short turns are embedded as
@@ -109,6 +110,7 @@ class Query:
     words: int
     question: bool
     own: bool = False
+    terms: frozenset[str] = frozenset()  # its content words
 
 
 FIRST_PERSON = frozenset(["i", "me", "my", "mine", "myself", "we", "us", "our", "ours"])
@@ -134,7 +136,25 @@ def asks_what_was_said(text: str) -> bool:
 def query_content(query: str) -> Query:
     """What the gate needs of the message."""
     own = any(t.lower() in FIRST_PERSON for t in tokens(query[:ASKS_CHARS]))
-    return Query(len(set(content_words(query))), asks_what_was_said(query), own)
+    terms = frozenset(content_words(query))
+    return Query(len(terms), asks_what_was_said(query), own, terms)
+
+
+def shares_word(terms: frozenset[str], said: Sequence[str]) -> bool:
+    """Whether a hit's content words (``said``) hold one of the message's (``terms``), or one
+    word of a pair starts the other and has at least :data:`STEM_CHARS` letters ("cook",
+    "cooking"; "Thursday", "Thursdays")."""
+    for w in said:
+        if w in terms:
+            return True
+        if len(w) >= STEM_CHARS and any(
+            t.startswith(w) or (len(t) >= STEM_CHARS and w.startswith(t)) for t in terms
+        ):
+            return True
+    return False
+
+
+STEM_CHARS = 4
 
 
 @dataclass(frozen=True)
@@ -246,8 +266,10 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
         extra = g.assistant_extra if h.role == "assistant" else 0.0
         # A question about the user's own words: a model's reply must be very close.
         bar_here = g.cosine_alone if h.role == "assistant" and query.own else bar
-        if not query.question and (h.fts is None or query.words == 0):
-            ok = False  # a statement's memory shares a word with it and is close in meaning
+        if not query.question and not shares_word(query.terms, said):
+            # A statement's memory shares a word with it (its own: full-text search also
+            # matches a turn by its neighbours' words) and is close in meaning.
+            ok = False
         elif h.cosine is None:
             ok = h.fts is not None and query.words > 0
         elif query.words == 0 or h.fts is None:

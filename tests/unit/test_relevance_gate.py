@@ -14,6 +14,7 @@ from proxy.search.relevance import (
     is_request,
     only_asks,
     query_content,
+    shares_word,
 )
 
 G = GateSettings()
@@ -64,11 +65,23 @@ def test_a_statement_takes_only_what_both_paths_found() -> None:
     drew "I usually cook it on Thursday evenings." (no word shared, cosine 0.56)."""
     q = query_content("For Wednesday, suggest a dinner I can make in twenty minutes.")
     assert not q.question
-    assert admit(q, [hit(0.56, fts=None)], G) == []
-    assert admit(q, [hit(0.9, fts=None)], G) == []
-    assert admit(q, [hit(0.56)], G) == [0]  # a shared word and close: it bears on it
+    cook = "I usually cook it on Thursday evenings."
+    assert admit(q, [hit(0.56, fts=None, content=cook)], G) == []
+    assert admit(q, [hit(0.9, fts=None, content=cook)], G) == []
+    # Full-text search also finds a turn by its neighbours' words: its rank is not enough.
+    assert admit(q, [hit(0.56, fts=3, content=cook)], G) == []
+    dinners = "Our dinners on Wednesdays are always vegetarian."
+    assert admit(q, [hit(0.56, content=dinners)], G) == [0]  # its own word, and close
+    assert admit(q, [hit(0.45, content=dinners)], G) == []  # a shared word alone: no
     q = query_content("Which day did I say I cook?")  # a question: the vector alone may do
-    assert admit(q, [hit(0.56, fts=None)], G) == [0]
+    assert admit(q, [hit(0.56, fts=None, content=cook)], G) == [0]
+
+
+def test_a_shared_word_is_the_same_word_or_one_starting_the_other() -> None:
+    terms = query_content("I'm cooking on Thursdays").terms
+    assert shares_word(terms, ["cook", "pasta"]) and shares_word(terms, ["thursday"])
+    assert not shares_word(terms, ["coo", "thu"]) and not shares_word(terms, ["monday"])
+    assert not shares_word(frozenset(), ["cook"])
 
 
 def test_bare_acknowledgements_are_never_memories() -> None:
