@@ -8,10 +8,11 @@ Each LoCoMo conversation is imported as one user (as :mod:`bench.locomo` does) a
 question of categories 1-4 is searched as Engram recalls (``Retriever.search``, top 20, the
 default scored fusion); so is every message of :data:`bench.gate_data.NO_MEMORY` (greetings,
 thanks, instructions about the task at hand, general questions) against every conversation, and
-again against every conversation stored as a chat app's archive is: each turn by its role alone,
-no speaker's name (``"user: …"``, the text the query's vector is made from too: on short texts
-that shared start alone lifts the cosine, "Okay, let's keep going." and "…so let's keep it
-simple." 0.38 bare, 0.62 so).
+again against every conversation stored as a chat app's archive is: the first speaker's turns
+as the user's, no name (``"user: …"``, the text the query's vector is made from too: on short
+texts that shared start alone lifts the cosine, "Okay, let's keep going." and "…so let's keep it
+simple." 0.38 bare, 0.62 so), the second speaker's under their name (a person, not a model);
+LoCoMo's questions are asked there too.
 For each hit the features the gate reads are kept: its rank, fused score and share of the best
 score, its cosine to the query, its rank on each path, its role, its words; and whether it is one
 of the question's evidence turns. ``--data`` keeps them in a file (``--collect-only`` stops
@@ -48,6 +49,7 @@ from bench.common import (
 )
 from bench.gate_data import NO_MEMORY
 from bench.locomo import load
+from proxy.chat.recall import replies_to
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.relevance import GateSettings, HitFeatures, admit, query_content
@@ -63,7 +65,11 @@ async def searched(retriever: Retriever, user: str, query: str) -> list[dict[str
     assert retriever.embedder is not None
     qvec = (await retriever.embedder.embed_queries([vector_text(query)]))[0]
     base = await retriever.baselines(hits, qvec)
-    return [{**features(h, 0), "baseline": b} for h, b in zip(hits, base, strict=True)]
+    answers = replies_to([h.turn for h in hits])
+    return [
+        {**features(h, 0), "baseline": b, "answers": a}
+        for h, b, a in zip(hits, base, answers, strict=True)
+    ]
 
 
 def features(hit: Any, query_words: int) -> dict[str, Any]:
@@ -112,7 +118,14 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
                         hits = await searched(retriever, conv.sample_id, text)
                         out["negatives"].append({"query": text, "hits": hits})
             async with Store(Path(tmp) / "chat.db") as store:
-                records = [{**r, "speaker": None} for conv in convs for r in locomo_records(conv)]
+                # The first speaker as a chat app's user (no name); the second keeps the name:
+                # a person, not a model (a model's reply does not go beside the turn it
+                # answers, and LoCoMo's second speaker's turns are half the evidence).
+                records = [
+                    {**r, "speaker": None if r["role"] == "user" else r["speaker"]}
+                    for conv in convs
+                    for r in locomo_records(conv)
+                ]
                 await import_turns(store, embedder, records)
                 chat: dict[str, dict[int, str]] = {}
                 for conv in convs:  # import order is session order, then turn order
@@ -149,7 +162,14 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
 def gated(item: dict[str, Any], g: GateSettings) -> list[dict[str, Any]]:
     hits = [
         HitFeatures(
-            h["score"], h["cosine"], h["fts"], h["vec"], h["role"], h["content"], h.get("baseline")
+            h["score"],
+            h["cosine"],
+            h["fts"],
+            h["vec"],
+            h["role"],
+            h["content"],
+            h.get("baseline"),
+            h.get("answers"),
         )
         for h in item["hits"]
     ]
