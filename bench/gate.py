@@ -49,7 +49,6 @@ from bench.common import (
 )
 from bench.gate_data import NO_MEMORY
 from bench.locomo import load
-from proxy.chat.recall import replies_to
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.relevance import GateSettings, HitFeatures, admit, query_content
@@ -65,11 +64,7 @@ async def searched(retriever: Retriever, user: str, query: str) -> list[dict[str
     assert retriever.embedder is not None
     qvec = (await retriever.embedder.embed_queries([vector_text(query)]))[0]
     base = await retriever.baselines(hits, qvec)
-    answers = replies_to([h.turn for h in hits])
-    return [
-        {**features(h, 0), "baseline": b, "answers": a}
-        for h, b, a in zip(hits, base, answers, strict=True)
-    ]
+    return [{**features(h, 0), "baseline": b} for h, b in zip(hits, base, strict=True)]
 
 
 def features(hit: Any, query_words: int) -> dict[str, Any]:
@@ -119,8 +114,8 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
                         out["negatives"].append({"query": text, "hits": hits})
             async with Store(Path(tmp) / "chat.db") as store:
                 # The first speaker as a chat app's user (no name); the second keeps the name:
-                # a person, not a model (a model's reply does not go beside the turn it
-                # answers, and LoCoMo's second speaker's turns are half the evidence).
+                # a person, not a model (bench.replay stores both by role, so there the second
+                # speaker's turns read as a model's replies).
                 records = [
                     {**r, "speaker": None if r["role"] == "user" else r["speaker"]}
                     for conv in convs
@@ -162,14 +157,7 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
 def gated(item: dict[str, Any], g: GateSettings) -> list[dict[str, Any]]:
     hits = [
         HitFeatures(
-            h["score"],
-            h["cosine"],
-            h["fts"],
-            h["vec"],
-            h["role"],
-            h["content"],
-            h.get("baseline"),
-            h.get("answers"),
+            h["score"], h["cosine"], h["fts"], h["vec"], h["role"], h["content"], h.get("baseline")
         )
         for h in item["hits"]
     ]

@@ -57,19 +57,6 @@ def query_text(messages: Sequence[Mapping[str, Any]]) -> str:
     return scaffold.words_of("user", last_user_text(messages)).strip()
 
 
-def replies_to(turns: Sequence[Turn]) -> list[int | None]:
-    """For each of ``turns`` that is a model's reply (an assistant turn with no speaker's name),
-    the index among ``turns`` of the user's turn just before it in its conversation (the one it
-    answers), when that one is there too; None for every other."""
-    at = {(t.session_id, t.position): i for i, t in enumerate(turns)}
-    out: list[int | None] = []
-    for t in turns:
-        j = at.get((t.session_id, t.position - 1))
-        model = t.role == "assistant" and not t.speaker
-        out.append(j if model and j is not None and turns[j].role == "user" else None)
-    return out
-
-
 def words_recalled(role: str, content: str, repeated: frozenset[str]) -> str:
     """A recalled turn's text as the model is shown it: without scaffolding a turn stored
     before it was cut out still holds (by shape, or a paragraph since repeated elsewhere)."""
@@ -237,11 +224,10 @@ class Recall:
             mt.memory_note = degraded[0]  # "fts-only": the query vector came too late
         if self.gate.enabled and hits:
             base = await self._baselines(hits, mt.query_vector)
-            answers = replies_to([h.turn for h in hits])
             features = [
                 HitFeatures(
                     h.score, h.cosine, h.ranks.get("fts"), h.ranks.get("vec"), h.turn.role,
-                    h.turn.content, base[i] if base else None, answers[i],
+                    h.turn.content, base[i] if base else None,
                 )
                 for i, h in enumerate(hits)
             ]  # fmt: skip

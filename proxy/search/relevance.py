@@ -40,8 +40,7 @@ reads what is absolute beside the ranks and keeps a hit only when:
   going." has cosine 0.62 to "…so let's keep it simple." and 0.62 to an empty ``"user: "``, 0.38
   between the bare texts). A hit must be closer to the message than an empty turn of its
   speaker by ``min_lift``;
-- a model's own reply is evidence of what was said, not of what is true: it does not go beside
-  the user's turn it answers (``answers``), and an assistant turn needs
+- a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
   ``assistant_extra`` more cosine on each of those bars, and ``cosine_alone`` when the message
   speaks in the first person ("Which dish did I say was my favourite?": the user asks about
   their own words, which a model's reply at best repeats; LoCoMo's questions, about two other
@@ -206,9 +205,6 @@ class HitFeatures:
     role: str
     content: str
     baseline: float | None = None
-    answers: int | None = None
-    """Of a model's reply: the index among the hits of the user's turn it answers (the turn
-    just before it in its conversation), when that turn is a hit too."""
 
 
 _OPENERS = r"(?:(?:hi|hello|hey|ok|okay|so|and|also|now|well|great|thanks|thank you)\b[\s,!.]*)*"
@@ -282,11 +278,6 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             ok = h.cosine >= bar_here + extra
         if ok:
             out.append(i)
-    # A model's reply to a user's turn that goes too adds nothing true (it is evidence of what
-    # was said, and what was said is there): a tiny model's babble about "project Lighthouse"
-    # beside the user's own words about it.
-    kept = set(out)
-    out = [i for i in out if hits[i].answers not in kept]
     out = distinct(out, hits, words)
     return out if query.question else out[: g.statement_top]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from proxy.chat.recall import replies_to
 from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
@@ -17,7 +16,6 @@ from proxy.search.relevance import (
     query_content,
     shares_word,
 )
-from proxy.store.models import Turn
 
 G = GateSettings()
 _N = itertools.count()
@@ -217,34 +215,3 @@ def test_a_hit_no_closer_than_an_empty_turn_of_its_speaker_goes() -> None:
     assert admit(q, [lifted], G) == []
     assert admit(q, [dataclasses.replace(hit(0.62), baseline=0.3)], G) == [0]
     assert admit(q, [hit(0.62)], G) == [0]  # no baseline known: the other bars alone
-
-
-def test_a_models_reply_does_not_go_beside_the_users_turn_it_answers() -> None:
-    """A tiny model's babble about "project Lighthouse" came with the user's own words about
-    it (bench.prefix, seed 7): what was said is there, the reply adds nothing true."""
-    q = query_content("When is the deadline for project Lighthouse?")
-    told = hit(0.51, content="At work I'm now leading project Lighthouse, the new dashboard.")
-    reply = hit(0.53, role="assistant", content="Lighthouse is a great opportunity to showcase.")
-    assert admit(q, [told, dataclasses.replace(reply, answers=0)], G) == [0]
-    assert admit(q, [told, reply], G) == [0, 1]  # the reply to something else stays
-    # the turn it answers left out by the gate: the reply may go
-    weak = dataclasses.replace(told, cosine=0.1)
-    assert admit(q, [weak, dataclasses.replace(reply, answers=0)], G) == [1]
-
-
-def test_a_reply_answers_the_users_turn_just_before_it_in_its_conversation() -> None:
-    def turn(i: int, session: str, position: int, role: str, speaker: str | None = None) -> Turn:
-        return Turn(
-            i, session, "u", position, role, speaker, "x", None, None, 0.0, None, "h", False
-        )
-
-    turns = [
-        turn(1, "a", 4, "assistant"),  # answers a/3
-        turn(2, "a", 3, "user"),
-        turn(3, "b", 4, "assistant"),  # b/3 is not a hit
-        turn(4, "a", 5, "user"),
-        turn(5, "a", 6, "assistant", "Melanie"),  # a named speaker is no model
-        turn(6, "c", 1, "user"),
-        turn(7, "c", 2, "user"),  # a user's turn answers nothing
-    ]
-    assert replies_to(turns) == [1, None, None, None, None, None, None]
