@@ -48,7 +48,7 @@ from bench.common import (
     machine_lines,
 )
 from bench.gate_data import NO_MEMORY
-from bench.locomo import load
+from bench.locomo import load, stored_dia
 from proxy.config import RetrievalSettings
 from proxy.search.embedder import DEFAULT_MODEL, create_embedder
 from proxy.search.relevance import GateSettings, HitFeatures, admit, query_content
@@ -65,6 +65,34 @@ async def searched(retriever: Retriever, user: str, query: str) -> list[dict[str
     qvec = (await retriever.embedder.embed_queries([vector_text(query)]))[0]
     base = await retriever.baselines(hits, qvec)
     return [{**features(h, 0), "baseline": b} for h, b in zip(hits, base, strict=True)]
+
+
+async def ask(
+    retriever: Retriever,
+    convs: list[Any],
+    questions: list[Any],
+    dia: dict[str, dict[int, str]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every question's and every no-memory message's top 20 (for each conversation), as the
+    gate reads them; a question's hits say whether they are its evidence."""
+    asked: list[dict[str, Any]] = []
+    for q in questions:
+        user = convs[q.conversation].sample_id
+        hits = await searched(retriever, user, q.question)
+        asked.append(
+            {
+                "query": q.question,
+                "category": q.category,
+                "hits": [{**h, "evidence": dia[user][h["id"]] in q.evidence} for h in hits],
+                "evidence": len(q.evidence),
+            }
+        )
+    negatives: list[dict[str, Any]] = []
+    for conv in convs:
+        for text in NO_MEMORY:
+            hits = await searched(retriever, conv.sample_id, text)
+            negatives.append({"query": text, "hits": hits})
+    return asked, negatives
 
 
 def features(hit: Any, query_words: int) -> dict[str, Any]:
@@ -95,23 +123,7 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
             async with Store(Path(tmp) / "gate.db") as store:
                 dia, _, _, _ = await load(store, embedder, convs, "auto")
                 retriever = Retriever(store, embedder, RetrievalSettings())
-                for q in questions:
-                    user = convs[q.conversation].sample_id
-                    hits = await searched(retriever, user, q.question)
-                    out["questions"].append(
-                        {
-                            "query": q.question,
-                            "category": q.category,
-                            "hits": [
-                                {**h, "evidence": dia[user][h["id"]] in q.evidence} for h in hits
-                            ],
-                            "evidence": len(q.evidence),
-                        }
-                    )
-                for conv in convs:
-                    for text in NO_MEMORY:
-                        hits = await searched(retriever, conv.sample_id, text)
-                        out["negatives"].append({"query": text, "hits": hits})
+                out["questions"], out["negatives"] = await ask(retriever, convs, questions, dia)
             async with Store(Path(tmp) / "chat.db") as store:
                 # The first speaker as a chat app's user (no name); the second keeps the name:
                 # a person, not a model (bench.replay stores both by role, so there the second
@@ -122,33 +134,11 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
                     for r in locomo_records(conv)
                 ]
                 await import_turns(store, embedder, records)
-                chat: dict[str, dict[int, str]] = {}
-                for conv in convs:  # import order is session order, then turn order
-                    stored: list[int] = []
-                    for n in sorted({t.session for t in conv.turns}):
-                        stored += [
-                            t.id for t in await store.session_turns(f"{conv.sample_id}-s{n}")
-                        ]
-                    chat[conv.sample_id] = {
-                        i: t.dia_id for i, t in zip(stored, conv.turns, strict=True)
-                    }
+                chat = await stored_dia(store, convs)
                 retriever = Retriever(store, embedder, RetrievalSettings())
-                for q in questions:  # the same questions (they name people the turns do not)
-                    user = convs[q.conversation].sample_id
-                    hits = await searched(retriever, user, q.question)
-                    out["questions_chat"].append(
-                        {
-                            "query": q.question,
-                            "hits": [
-                                {**h, "evidence": chat[user][h["id"]] in q.evidence} for h in hits
-                            ],
-                            "evidence": len(q.evidence),
-                        }
-                    )
-                for conv in convs:
-                    for text in NO_MEMORY:
-                        hits = await searched(retriever, conv.sample_id, text)
-                        out["negatives_chat"].append({"query": text, "hits": hits})
+                # the same questions (they name people the turns do not)
+                asked = await ask(retriever, convs, questions, chat)
+                out["questions_chat"], out["negatives_chat"] = asked
     finally:
         await embedder.aclose()
     return out

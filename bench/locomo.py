@@ -114,6 +114,13 @@ async def load(
     t0 = time.perf_counter()
     path = await import_turns(store, embedder, records, via=via)
     seconds = time.perf_counter() - t0
+    dia = await stored_dia(store, convs)
+    warning = await embedded_text_check(store, convs[0].sample_id)
+    return dia, path, seconds, warning
+
+
+async def stored_dia(store: Store, convs: list[LocomoConversation]) -> dict[str, dict[int, str]]:
+    """{user: {turn id: dia_id}} of the imported ``convs``."""
     dia: dict[str, dict[int, str]] = {}
     for conv in convs:
         stored: list[int] = []
@@ -126,8 +133,7 @@ async def load(
             )
         # import order is session order, then turn order: the i-th stored turn is the i-th turn
         dia[conv.sample_id] = {tid: t.dia_id for tid, t in zip(stored, conv.turns, strict=True)}
-    warning = await embedded_text_check(store, convs[0].sample_id)
-    return dia, path, seconds, warning
+    return dia
 
 
 async def ask(
