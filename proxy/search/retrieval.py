@@ -75,6 +75,7 @@ class Retriever:
         self.store = store
         self.embedder = embedder
         self.settings = settings
+        self._empty: Vector | None = None  # an empty user's turn's vector (baselines)
 
     async def search(
         self,
@@ -263,12 +264,13 @@ class Retriever:
         (``"user: "``: a chat's user), None for any other (a named speaker's start is not the
         query's, and the query may name the speaker: on LoCoMo "What did Caroline…" is close to
         an empty "Caroline: " turn, and a lift over it cost half the evidence). One short text,
-        kept by the embedder's cache from then on."""
+        embedded once."""
         start = vector_text("")
         if self.embedder is None or not any(self._starts(h, start) for h in hits):
             return [None] * len(hits)
-        empty = as_vector((await self.embedder.embed_passages([start]))[0])
-        base = float(np.dot(empty, as_vector(query_vector)))
+        if self._empty is None:
+            self._empty = as_vector((await self.embedder.embed_passages([start]))[0])
+        base = float(np.dot(self._empty, as_vector(query_vector)))
         return [base if self._starts(h, start) else None for h in hits]
 
     @staticmethod
