@@ -622,18 +622,22 @@ class OpenWebUIPage:
 
     async def wait_reply(self, count: int, timeout: float, not_text: str | None = None) -> str:
         """Wait until ``count`` replies are shown, the last one finished (its toolbar shown) and
-        not empty (nor ``not_text``); the last one's text."""
+        not empty (nor ``not_text``), and its text the same on two reads 0.3 s apart (the page
+        can show the toolbar before it renders a fast stream's last chunks: once, under load,
+        a finished "echo:" whose words came a moment later); the last one's text."""
         avoid = json.dumps(not_text) if not_text is not None else "null"
-        return str(
-            await self.wait_for(
-                f"""(() => {{ const m = window.__engram.assistants();
+        condition = f"""(() => {{ const m = window.__engram.assistants();
                   if (m.length < {count}) return null;
                   const last = m[m.length - 1]; const t = window.__engram.replyText(last);
-                  return window.__engram.finished(last) && t && t !== {avoid} ? t : null; }})()""",
-                timeout,
-                f"reply {count} to finish",
-            )
-        )
+                  return window.__engram.finished(last) && t && t !== {avoid} ? t : null; }})()"""
+        deadline = time.monotonic() + timeout
+        text = str(await self.wait_for(condition, timeout, f"reply {count} to finish"))
+        while True:
+            await asyncio.sleep(0.3)
+            again = str(await self.wait_for(condition, timeout, f"reply {count} to finish"))
+            if again == text or time.monotonic() > deadline:
+                return again
+            text = again
 
     async def send(self, text: str, timeout: float = 180.0) -> str:
         """Type ``text`` in the chat input and press Enter; the whole reply's text."""
