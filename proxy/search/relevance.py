@@ -32,14 +32,15 @@ reads what is absolute beside the ranks and keeps a hit only when:
   (a fused score at least ``min_share`` of the best one's), at most ``statement_top`` (one) (in
   mode ``stable`` each block stays in the prompt: a chat of statements must not fill its window
   with memories). The vector alone is not enough here: a chat's short turns are embedded as
-  ``"user: …"``, and that shared start lifts their cosine ("For Friday, suggest something quick
-  for lunch" and "I usually cook it on Thursday evenings" ~0.56);
+  ``"user: …"``, and that shared start lifts their cosine ("For Wednesday, suggest a dinner I
+  can make in twenty minutes." and "I usually cook it on Thursday evenings." 0.56);
 - its words bring it close, not its speaker: a turn is embedded as ``"<speaker>: <words>"``
   and the query as ``"user: <words>"``, and on short texts that start alone makes much of the
   cosine (in a chat app's archive every turn of the user starts ``"user: "``: "Okay, let's keep
   going." has cosine 0.62 to "…so let's keep it simple." and 0.62 to an empty ``"user: "``, 0.38
-  between the bare texts). A hit must be closer to the message than an empty turn of its
-  speaker by ``min_lift``;
+  between the bare texts). A chat user's turn must be closer to the message than an empty
+  ``"user: "`` turn by ``min_lift`` (a named speaker's start is not the query's: ``baseline``
+  None);
 - a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
   ``assistant_extra`` more cosine on each of those bars, and ``cosine_alone`` when the message
   speaks in the first person ("Which dish did I say was my favourite?": the user asks about
@@ -107,10 +108,14 @@ class Query:
     """What the gate reads of the message: its content words, whether it asks, and whether it
     is about the user's own life or words (first person: "What did I say…", "our new pet")."""
 
-    words: int
+    terms: frozenset[str]  # its content words
     question: bool
     own: bool = False
-    terms: frozenset[str] = frozenset()  # its content words
+
+    @property
+    def words(self) -> int:
+        """How many content words it has."""
+        return len(self.terms)
 
 
 FIRST_PERSON = frozenset(["i", "me", "my", "mine", "myself", "we", "us", "our", "ours"])
@@ -136,8 +141,11 @@ def asks_what_was_said(text: str) -> bool:
 def query_content(query: str) -> Query:
     """What the gate needs of the message."""
     own = any(t.lower() in FIRST_PERSON for t in tokens(query[:ASKS_CHARS]))
-    terms = frozenset(content_words(query))
-    return Query(len(terms), asks_what_was_said(query), own, terms)
+    return Query(frozenset(content_words(query)), asks_what_was_said(query), own)
+
+
+STEM_CHARS = 4
+"""A word and a longer one it starts count as one from this many letters ("cook", "cooking")."""
 
 
 def shares_word(terms: frozenset[str], said: Sequence[str]) -> bool:
@@ -152,9 +160,6 @@ def shares_word(terms: frozenset[str], said: Sequence[str]) -> bool:
         ):
             return True
     return False
-
-
-STEM_CHARS = 4
 
 
 @dataclass(frozen=True)
