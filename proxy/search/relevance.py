@@ -14,7 +14,8 @@ reads what is absolute beside the ranks and keeps a hit only when:
   a memory (fewer than ``min_words`` content words), and neither is a turn that only asks
   (:func:`only_asks`: every sentence a question or a request to the assistant);
 - it says something the others kept do not (:func:`distinct`: a model repeating the user's
-  fact, the same words sent twice, are shown once, the user's own words first);
+  fact, the same words sent twice, are shown once, the user's own words first; a model's reply
+  whose words the user's kept turns hold between them is not shown);
 - its vector agrees: a hit full-text search found needs a cosine to the query of at least
   ``min_cosine`` (``question_cosine`` for a question; a shared common word alone is no
   relevance), one only the vector path found needs ``cosine_alone``. Without a cosine (the
@@ -293,7 +294,23 @@ def distinct(
     """``kept`` less the hits that say nothing another kept one does not (``words``: each
     one's content words): a hit whose words all appear in another's goes (a model repeating the
     user's fact, the same message sent twice). Of two, the one with more words stays, at the
-    better rank of the two; a user's words stay before a reply with the same words."""
+    better rank of the two; a user's words stay before a reply with the same words. A model's
+    reply whose words the user's kept turns hold between them goes too ("The appointment was on
+    Tuesday at 9:45." beside "I booked a dentist appointment…" and "It's on Tuesday at 9:45…":
+    on LoCoMo, whose second speaker is stored as the assistant, it costs 0.001 of the evidence
+    the gate keeps)."""
+    out = _distinct_pairs(kept, hits, words)
+    said: set[str] = set()
+    for i in out:
+        if hits[i].role != "assistant":
+            said |= words[i]
+    return [i for i in out if hits[i].role != "assistant" or not words[i] <= said]
+
+
+def _distinct_pairs(
+    kept: Sequence[int], hits: Sequence[HitFeatures], words: Mapping[int, frozenset[str]]
+) -> list[int]:
+    """:func:`distinct`'s rule for two hits."""
     out: list[int] = []
     for i in kept:
         mine = words[i]

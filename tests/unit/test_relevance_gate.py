@@ -189,6 +189,21 @@ def test_a_hit_saying_nothing_another_does_not_goes_and_the_users_words_stay() -
     assert admit(q, hits, G) == [1, 3]
 
 
+def test_a_models_reply_the_users_kept_turns_say_between_them_goes() -> None:
+    q = query_content("What day and time was the dentist appointment?")
+    hits = [
+        hit(0.8, role="assistant", content="The appointment was on Tuesday at 9:45."),
+        hit(0.7, content="I booked a dentist appointment with Dr. Novak."),
+        hit(0.65, content="It's on Tuesday at 9:45, I must not forget it."),
+        hit(0.6, role="assistant", content="Dr. Novak's practice moved to Elm Street in May."),
+    ]
+    # the first reply says nothing the two user turns do not; the last one does
+    assert admit(q, hits, G) == [1, 2, 3]
+    # a person's words (a user turn) are never dropped for being said by others together
+    person = [dataclasses.replace(hits[0], role="user"), *hits[1:]]
+    assert admit(q, person, G) == [0, 1, 2, 3]
+
+
 def test_a_question_about_the_users_own_words_takes_a_models_reply_only_when_very_close() -> None:
     """ "Which dish did I say was my favourite?" drew three of the small model's babbling replies
     that named the dish beside the user's own words (bench.prefix); a question about two other
