@@ -5,11 +5,16 @@ that nothing stored can end it early or forge a role in it (DESIGN.md, invariant
 
     <engram-memory-3f9a>
     Notes from earlier chats with this user. ... (the preamble, one line)
-    - [14 Nov 2023] user: "I live in Lisbon"
-    - [14 Nov 2023] Caroline: "I went to a \\"support group\\" yesterday"
-    - [15 Nov 2023] derived: sub-agent summary (researcher): "Task: ..."
-    - [16 Nov 2023] derived: fact about Alice's brother: "Tom works as a nurse in Leeds"
+    14 Nov 2023:
+    - user: "I live in Lisbon"
+    - Caroline: "I went to a \\"support group\\" yesterday"
+    15 Nov 2023:
+    - derived: sub-agent summary (researcher): "Task: ..."
+    - derived: fact about Alice's brother: "Tom works as a nurse in Leeds"
     </engram-memory-3f9a>
+
+The memories go in the order they were said, under a line naming their day (UTC): a day said
+once for all its memories (in SmolLM2's tokenizer a date is 9 tokens, a memory's line start 4).
 
 Why no stored text can break out:
 
@@ -29,7 +34,8 @@ Why no stored text can break out:
   few harmless signs of a stored name, at most :data:`SPEAKER_CHARS` of them, so no ``:`` or quote
   of a stored name can fake the line's structure, nor the ``derived:`` prefix that marks what
   Engram itself wrote (sub-agent hand-backs, consolidated facts, summaries);
-- every line starts with ``- [``, so no line of the block starts with a role header;
+- every memory's line starts with ``- ``, every other line is a day (``5 Dec 2026:``) Engram
+  wrote, so no line of the block starts with a role header;
 - the markers carry a tag (:func:`block_tag`): an HMAC of the session under a secret of the
   running server, so a stored text cannot guess it even where a model would be fooled by a
   look-alike of a tag. The tag is the same for every request of one session, so the block
@@ -84,9 +90,8 @@ _COLON_ALIKES = re.compile("[\u02d0\u02d1\ua789]")
 _ROLE_WORDS = frozenset({"user", "assistant", "system", "developer", "tool", "human", "model"})
 # The opening bracket of a Mistral-style control token: "[INST]", "[/INST]", "[TOOL_CALLS]"…
 _BRACKET_TOKEN = re.compile(r"\[(?=/?[A-Z][A-Z0-9_]*\])")
-_LINE = re.compile(
-    r'^- \[(\d\d? [A-Z][a-z]{2} \d{4})\] (derived: [^:"]+|[^:"]+): ("(?:[^"\\]|\\.)*")$'
-)
+_DAY = re.compile(r"^(\d\d? [A-Z][a-z]{2} \d{4}):$")
+_LINE = re.compile(r'^- (derived: [^:"]+|[^:"]+): ("(?:[^"\\]|\\.)*")$')
 
 
 @dataclass(frozen=True)
@@ -200,12 +205,27 @@ def day(timestamp: float) -> str:
 
 
 def memory_line(mem: Recalled, max_chars: int = MAX_TEXT_CHARS) -> str:
-    """One memory as one line: ``- [date] speaker: "text"``."""
-    when = day(mem.timestamp)
+    """One memory as one line, under its day's line: ``- speaker: "text"``."""
     text = clean_text(mem.content)
     if len(text) > max_chars:
         text = text[: max_chars - 1] + "…"
-    return f"- [{when}] {speaker_label(mem)}: {quote(text)}"
+    return f"- {speaker_label(mem)}: {quote(text)}"
+
+
+def day_line(timestamp: float) -> str:
+    """The line that heads a day's memories: ``5 Dec 2026:``."""
+    return f"{day(timestamp)}:"
+
+
+def said_order(memories: Sequence[Recalled]) -> list[list[Recalled]]:
+    """``memories`` in the order they were said, in runs of one day each."""
+    runs: list[list[Recalled]] = []
+    for mem in sorted(memories, key=lambda m: (m.timestamp, m.id)):
+        if runs and day(runs[-1][0].timestamp) == day(mem.timestamp):
+            runs[-1].append(mem)
+        else:
+            runs.append([mem])
+    return runs
 
 
 def block_tag(secret: bytes, scope: str) -> str:
@@ -227,24 +247,30 @@ def memory_block(
     count_tokens: Callable[[str], int],
     tag: str = "",
 ) -> tuple[str, list[Recalled]]:
-    """The block text and the memories that fit in ``budget_tokens`` (best first; one that
-    does not fit is skipped, a later smaller one may still go in). ``tag``: see
-    :func:`block_tag`."""
+    """The block text and the memories that fit in ``budget_tokens`` (chosen best first; one
+    that does not fit is skipped, a later smaller one may still go in; shown in the order they
+    were said, :func:`said_order`). ``tag``: see :func:`block_tag`."""
     opener, closer = markers(tag)
-    lines: list[str] = []
+    lines: dict[Recalled, str] = {}
     used: list[Recalled] = []
+    days: set[str] = set()
     spent = count_tokens(PREAMBLE) + count_tokens(opener) + count_tokens(closer) + 3
     for mem in memories:
         line = memory_line(mem)
-        cost = count_tokens(line) + 1
+        head = day_line(mem.timestamp)
+        cost = count_tokens(line) + 1 + (0 if head in days else count_tokens(head) + 1)
         if spent + cost > budget_tokens:
             continue
-        lines.append(line)
+        lines[mem] = line
         used.append(mem)
+        days.add(head)
         spent += cost
     if not used:
         return "", []
-    body = "\n".join(lines)
+    body = "\n".join(
+        "\n".join([day_line(run[0].timestamp), *(lines[m] for m in run)])
+        for run in said_order(used)
+    )
     while opener in body or closer in body:  # cannot happen (no "<" in a line): never trusted
         tag = hashlib.sha256(tag.encode()).hexdigest()[:TAG_CHARS]
         opener, closer = markers(tag)
@@ -282,9 +308,13 @@ def parse_block(block: str) -> list[ParsedLine]:
     if markers(tag) != (lines[0], lines[-1]):
         raise ValueError("the block's markers do not match")
     out: list[ParsedLine] = []
+    when = ""
     for line in lines[1:-1]:
+        if (d := _DAY.match(line)) is not None:
+            when = d.group(1)
+            continue
         m = _LINE.match(line)
-        if m is None:
+        if m is None or not when:
             raise ValueError(f"not a memory line: {line[:80]!r}")
-        out.append(ParsedLine(m.group(1), m.group(2), json.loads(m.group(3))))
+        out.append(ParsedLine(when, m.group(1), json.loads(m.group(2))))
     return out

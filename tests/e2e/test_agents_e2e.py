@@ -129,7 +129,7 @@ async def test_claude_code_recalls_a_fact_from_another_run_on_a_real_model(
     # may say anything: the tiny model once parroted the reminder from its prompt (seen in CI),
     # and an assistant's words are archived as said, so only the user's notes are checked.
     assert 'user: \\"My cat is called Zorblax. Remember that.\\"' in block, block
-    users = [line for line in block.split("\\n") if "] user: " in line]
+    users = [line for line in block.split("\\n") if line.startswith("- user: ")]
     assert users and not any("system-reminder" in line for line in users), block
 
 
