@@ -50,7 +50,10 @@ llama-server's ``POST /tokenize``); turns whose forwarded messages did not exten
 request's ("prefix moved"); and the wasted recompute: per turn, tokens computed through Engram
 beyond the direct arm's for the same turn and beyond the memory tokens newly injected in it
 (clamped at 0), summed, and as a share of what Engram added (computed through Engram minus
-direct). Agent loop: per request after the first, computed through Engram over direct.
+direct). Recall questions: how many had every answer (the sister's job and city, the code, the
+dish…) in the forwarded prompt, and how many replies named every answer (the tiny model often
+does not, whatever its prompt holds: a reply is evidence, the prompt is the measure). Agent
+loop: per request after the first, computed through Engram over direct.
 
 Targets: chats, computed <= 1.5x direct and wasted <= 10 % of what Engram adds; agent loop, every
 request after the first <= 1.2x direct.
@@ -411,6 +414,20 @@ def make_facts(rng: random.Random) -> Facts:
     )
 
 
+def recall_answers(f: Facts) -> dict[str, tuple[str, ...]]:
+    """Topic -> what a reply to its later question must name (and the prompt must hold)."""
+    return {
+        "sister": (f.sister_job, f.sister_city),
+        "trip": (f.trip_city,),
+        "pet": (f.pet_name,),
+        "garage": (f.code,),
+        "food": (f.dish,),
+        "work": (f.deadline,),
+        "dentist": (f.appt_day, f.appt_time),
+        "friend": (f.friend_day,),
+    }
+
+
 def history_topics(f: Facts) -> dict[str, tuple[list[str], str]]:
     """Topic -> (the earlier chat's user turns, a later question that needs them)."""
     return {
@@ -563,13 +580,17 @@ PLANS: dict[str, tuple[str, list[str]]] = {
 class Turn:
     text: str
     recall: bool  # asks about a fact from an earlier chat
+    answers: tuple[str, ...] = ()  # what the reply to a recall must name
 
 
 def measured_chats(
-    rng: random.Random, questions: Sequence[str], chats: int, turns: int | None
+    rng: random.Random,
+    questions: Mapping[str, tuple[str, ...]],
+    chats: int,
+    turns: int | None,
 ) -> list[list[Turn]]:
     """``chats`` planning chats of ``turns`` user turns (10-12 when None), one or two of which
-    ask one of ``questions``."""
+    ask one of ``questions`` (question -> the answers)."""
     out: list[list[Turn]] = []
     themes = list(PLANS)
     rng.shuffle(themes)
@@ -585,7 +606,7 @@ def measured_chats(
             else:
                 body.append(Turn(rng.choice(SMALL_TALK), False))
         for q in rng.sample(list(questions), recalls):
-            body.insert(rng.randint(min(1, len(body)), len(body)), Turn(q, True))
+            body.insert(rng.randint(min(1, len(body)), len(body)), Turn(q, True, questions[q]))
         chat = [Turn(opener, False), *body, Turn(rng.choice(CLOSINGS), False)]
         out.append(chat[:n])
     return out
@@ -926,7 +947,8 @@ def make_workload(seed: int, chats: int, turns: int | None, history: int) -> Wor
     topics = history_topics(facts)
     names = rng.sample(list(topics), min(history, len(topics)))
     past = [topics[n][0] for n in names]
-    questions = [topics[n][1] for n in names]
+    answers = recall_answers(facts)
+    questions = {topics[n][1]: answers[n] for n in names}
     system, steps = agent_script(rng)
     return Workload(seed, facts, past, measured_chats(rng, questions, chats, turns), system, steps)
 
@@ -950,6 +972,8 @@ class Req:
     memory_tokens: int = 0  # their tokens (llama-server's tokenizer)
     moved: bool = False  # the forwarded messages do not extend the previous request's
     tools_changed: bool = False  # the forwarded tools differ from the previous request's
+    shown: bool | None = None  # a recall: its answers were in the forwarded prompt
+    answered: bool | None = None  # a recall: the model's reply named them
     reply: str = ""
     seconds: float = 0.0
 
@@ -1028,9 +1052,11 @@ class Client:
         system: str,
         user_text: str,
         previous: Previous,
+        answers: tuple[str, ...] = (),
     ) -> dict[str, Any]:
         """Send ``body``, fill ``req`` from what the relay saw; ``previous`` holds the
-        conversation's last forwarded messages (updated)."""
+        conversation's last forwarded messages (updated); ``answers``: what a recall's prompt
+        and reply should hold."""
         mark = len(self.recorder.records)
         reply, headers, req.seconds = await self.send(body, req.conv)
         mine: list[Forwarded] = []
@@ -1059,6 +1085,11 @@ class Client:
         req.note = note.strip()
         with contextlib.suppress(LookupError, TypeError, AttributeError):
             req.reply = content_text(reply["choices"][0]["message"].get("content")) or ""
+        if answers:
+            sent = mine[0].messages if mine else []
+            prompt = " ".join(content_text(m.get("content")) or "" for m in sent).lower()
+            req.shown = all(a.lower() in prompt for a in answers)
+            req.answered = all(a.lower() in req.reply.lower() for a in answers)
         if mine:
             forwarded = mine[0].messages
             before = {b for m in previous.messages or () for b in _blocks(m)}
@@ -1100,7 +1131,7 @@ class Client:
                 messages.append({"role": "user", "content": turn.text})
                 req = Req(f"chat{c}", i, "recall" if turn.recall else "turn")
                 reply = await self.measure(
-                    req, self.body(messages), CHAT_SYSTEM, turn.text, previous
+                    req, self.body(messages), CHAT_SYSTEM, turn.text, previous, turn.answers
                 )
                 messages.append({"role": "assistant", "content": _reply_text(reply)})
                 self._progress(req)
@@ -1251,6 +1282,9 @@ def summarise(arm: ArmResult, direct: ArmResult) -> dict[str, Any]:
         "added": added,
         "wasted_share": wasted / added if added > 0 else 0.0,
         "moved": sum(r.moved for r in chat),
+        "recalls": sum(r.shown is not None for r in chat),
+        "recalls_shown": sum(bool(r.shown) for r in chat),
+        "recalls_answered": sum(bool(r.answered) for r in chat),
         "agent_requests": len(agent),
         "agent_computed": agent_computed,
         "agent_direct_computed": agent_direct,
@@ -1300,8 +1334,9 @@ def tables(summaries: Mapping[str, Mapping[str, Any]], agent: bool) -> str:
         "Chats (turns 2..n of every chat):",
         "",
         "| arm | tokens computed | vs direct | reused per prompt (median) | memories/turn "
-        "| memory tokens/turn | wasted | wasted / added | prefix moved | background |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| memory tokens/turn | wasted | wasted / added | prefix moved | recalls: answer in"
+        " prompt / in reply | background |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summaries.items():
         bg = f"{s['background_requests']} req, {s['background_computed']} tok"
@@ -1309,7 +1344,9 @@ def tables(summaries: Mapping[str, Mapping[str, Any]], agent: bool) -> str:
             f"| {name} | {s['computed']} | {s['ratio']:.2f}x | {100 * s['reuse_median']:.1f} % "
             f"| {s['memories_per_turn']:.1f} | {s['memory_tokens_per_turn']:.0f} "
             f"| {s['wasted']} | {100 * s['wasted_share']:.1f} % of {s['added']} "
-            f"| {s['moved']}/{s['turns']} | {bg} |"
+            f"| {s['moved']}/{s['turns']} "
+            f"| {s['recalls_shown']}/{s['recalls']} / {s['recalls_answered']}/{s['recalls']} "
+            f"| {bg} |"
         )
     if agent:
         lines += [
