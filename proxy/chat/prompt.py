@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.chat.fence import inert_text, without_preamble
+from proxy.chat.fence import inert_text, says_derived, without_preamble
 from proxy.config import RetrievalSettings
 from proxy.messages import current_turn_start
 
@@ -272,14 +272,21 @@ def assemble(
     kept += range(start, n)
 
     # The first block the window holds says the preamble; later ones go without it (a cut
-    # that leaves the first block out is a move of the prefix anyway).
+    # that leaves the first block out is a move of the prefix anyway), and say what "derived"
+    # means only where no block before them did.
     first_laid = min((i for i in kept if i in earlier), default=None)
+    shown: dict[int, str] = {}
+    derived_said = False
+    for i in kept:
+        if i in earlier:
+            block = earlier[i] if i == first_laid else without_preamble(earlier[i], derived_said)
+            derived_said = derived_said or says_derived(block)
+            shown[i] = block
 
     def laid_again(i: int) -> Message:
-        if i not in earlier:
+        if i not in shown:
             return msgs[i]
-        block = earlier[i] if i == first_laid else without_preamble(earlier[i])
-        return known(with_leading_text(msgs[i], block), sizes[i])
+        return known(with_leading_text(msgs[i], shown[i]), sizes[i])
 
     window: list[tuple[Message, str, int | None]] = [
         (laid_again(i), "system" if is_system(msgs[i]) else "recent" if i < cur else "current", i)
@@ -298,7 +305,7 @@ def assemble(
         k = next((w for w, (_, _, index) in enumerate(window) if index == target), None)
         if k is not None and target is not None:
             if first_laid is not None:  # an earlier block in the window said the preamble
-                memory_block = without_preamble(memory_block)
+                memory_block = without_preamble(memory_block, derived_said)
                 mem_cost = count_text(memory_block) + 4
             msg, label, index = window[k]
             joined = known(with_leading_text(msg, memory_block), count(msg) + mem_cost)

@@ -18,6 +18,7 @@ from proxy.background.summarizer import render_turns
 from proxy.chat.fence import (
     BLOCK_CLOSE,
     BLOCK_OPEN,
+    DERIVED_NOTE,
     MAX_TEXT_CHARS,
     PREAMBLE,
     Recalled,
@@ -31,6 +32,7 @@ from proxy.chat.fence import (
     memory_block,
     memory_line,
     parse_block,
+    preamble,
     speaker_label,
 )
 from proxy.chat.prompt import SUMMARY_CLOSE, summary_text
@@ -221,9 +223,16 @@ def test_summary_is_made_inert_but_keeps_its_lines() -> None:
         assert "<" not in inert_text(entry)
 
 
-def test_preamble_is_one_line_and_says_derived() -> None:
-    assert "\n" not in PREAMBLE and "derived" in PREAMBLE and "never follow" in PREAMBLE
-    assert json.dumps(PREAMBLE)  # plain text
+def test_preamble_is_one_line_and_says_derived_where_the_block_shows_it() -> None:
+    assert "\n" not in preamble(True) and "never follow" in PREAMBLE
+    assert json.dumps(preamble(True))  # plain text
+    words, _ = memory_block([mem(1, "I live in Lisbon")], 500, approx_tokens, TAG)
+    assert words.split("\n")[1] == PREAMBLE and "derived" not in words
+    fact = mem(2, "Tom works as a nurse", "fact", "Alice's brother")
+    both, _ = memory_block([mem(1, "I live in Lisbon"), fact], 500, approx_tokens, TAG)
+    assert both.split("\n")[1] == preamble(True) == f"{PREAMBLE} {DERIVED_NOTE}"
+    assert "- derived: fact about Alice's brother: " in both
+    assert [p.text for p in parse_block(both)] == ["I live in Lisbon", "Tom works as a nurse"]
 
 
 def test_engram_s_own_prompts_show_stored_text_inert() -> None:

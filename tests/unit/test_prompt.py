@@ -9,7 +9,15 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.chat.fence import PREAMBLE, Recalled, memory_block, parse_block, without_preamble
+from proxy.chat.fence import (
+    DERIVED_NOTE,
+    PREAMBLE,
+    Recalled,
+    memory_block,
+    parse_block,
+    says_derived,
+    without_preamble,
+)
 from proxy.chat.prompt import MEMORY_DROPPED, SUMMARY_OPEN, assemble
 from proxy.messages import content_text
 from testing.fake_chunks import template_violations
@@ -261,6 +269,37 @@ def test_the_preamble_is_said_once_by_the_first_block_of_the_prompt() -> None:
     assert out.rewritten and out.window_start > 1
     texts = [m["content"][0]["text"] for m in out.messages if isinstance(m["content"], list)]
     assert texts and PREAMBLE in texts[0] and all(PREAMBLE not in t for t in texts[1:])
+
+
+def test_what_derived_means_is_said_once_a_prompt_by_the_first_block_that_shows_it() -> None:
+    """The first block shows the user's words alone: its preamble leaves the note out; the next
+    block shows a fact and says the note; the one after it shows a fact again and does not."""
+    fact = Recalled(9, "fact", "Tom", "Tom is a nurse", 1_700_000_000.0, "f", 1.0)
+    both = [fact, Recalled(8, "user", None, "x y", 1_700_000_000.0, "s", 1.0)]
+    blocks = [_block(0), *(memory_block(m, 10_000, tok, "t")[0] for m in ([fact], both))]
+    msgs: list[Message] = [{"role": "system", "content": "S"}]
+    laid: dict[int, str] = {}
+    previous: list[Message] | None = None
+    for i, block in enumerate(blocks):
+        msgs.append({"role": "user", "content": f"question {i}"})
+        out = assemble(
+            msgs, budget=5000, count=count, count_text=tok, memory_block=block,
+            memory_ids=[i], mode="stable", laid=laid,
+        )  # fmt: skip
+        if previous is not None:
+            assert json.dumps(out.messages).startswith(json.dumps(previous)[:-1])
+        laid[len(msgs) - 1] = block
+        previous = out.messages
+        msgs.append({"role": "assistant", "content": f"answer {i}"})
+    texts = [m["content"][0]["text"] for m in previous or [] if isinstance(m["content"], list)]
+    assert [t.split("\n")[1] for t in texts] == [PREAMBLE, DERIVED_NOTE, "14 Nov 2023:"]
+    assert DERIVED_NOTE not in texts[0] and DERIVED_NOTE not in texts[2]
+    assert [says_derived(t.strip()) for t in texts] == [False, True, False]
+    assert [[p.text for p in parse_block(t.strip())] for t in texts] == [
+        ["fact number 0"],
+        ["Tom is a nurse"],
+        ["x y", "Tom is a nurse"],
+    ]
 
 
 def test_a_window_too_small_for_the_laid_blocks_cuts_them_with_their_messages() -> None:
