@@ -220,17 +220,17 @@ def fence_violations(
     lines = block.split("\n")
     if block.splitlines() != lines:
         problems.append("a line break other than \\n inside the block")
-    days = [ln for ln in lines[2:-1] if DAY_LINE.match(ln)]
-    memory_lines = [ln for ln in lines[2:-1] if not DAY_LINE.match(ln)]
+    inside = lines[2:-1]
+    days = [ln for ln in inside if DAY_LINE.match(ln)]
+    memory_lines = [ln for ln in inside if not DAY_LINE.match(ln)]
     if len(memory_lines) != injected:
         problems.append(
             f"{len(memory_lines)} memory lines between preamble and close, {injected} memories"
         )
     if len(set(days)) != len(days):
         problems.append("a day's line twice in the block")
-    if len(lines) > 3 and not DAY_LINE.match(lines[2]):
-        problems.append(f"no day before the block's first memory: {lines[2][:80]!r}")
-    inside = lines[2:-1]
+    if inside and not DAY_LINE.match(inside[0]):
+        problems.append(f"no day before the block's first memory: {inside[0][:80]!r}")
     for k, line in enumerate(inside):
         if DAY_LINE.match(line) and (k + 1 == len(inside) or DAY_LINE.match(inside[k + 1])):
             problems.append(f"a day without memories: {line!r}")

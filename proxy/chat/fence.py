@@ -220,17 +220,6 @@ def day_line(timestamp: float) -> str:
     return f"{day(timestamp)}:"
 
 
-def said_order(memories: Sequence[Recalled]) -> list[list[Recalled]]:
-    """``memories`` in the order they were said, in runs of one day each."""
-    runs: list[list[Recalled]] = []
-    for mem in sorted(memories, key=lambda m: (m.timestamp, m.id)):
-        if runs and day(runs[-1][0].timestamp) == day(mem.timestamp):
-            runs[-1].append(mem)
-        else:
-            runs.append([mem])
-    return runs
-
-
 def block_tag(secret: bytes, scope: str) -> str:
     """The markers' tag for ``scope`` (a session): unguessable without ``secret``, the same for
     every request of the session (so a byte-identical prompt stays byte-identical)."""
@@ -252,9 +241,9 @@ def memory_block(
 ) -> tuple[str, list[Recalled]]:
     """The block text and the memories that fit in ``budget_tokens`` (chosen best first; one
     that does not fit is skipped, a later smaller one may still go in; shown in the order they
-    were said, :func:`said_order`). ``tag``: see :func:`block_tag`."""
+    were said, each day's line before its memories). ``tag``: see :func:`block_tag`."""
     opener, closer = markers(tag)
-    lines: dict[Recalled, str] = {}
+    shown: dict[Recalled, tuple[str, str]] = {}  # a chosen memory's day line and line
     used: list[Recalled] = []
     days: set[str] = set()
     spent = count_tokens(preamble(True)) + count_tokens(opener) + count_tokens(closer) + 3
@@ -264,17 +253,22 @@ def memory_block(
         cost = count_tokens(line) + 1 + (0 if head in days else count_tokens(head) + 1)
         if spent + cost > budget_tokens:
             continue
-        lines[mem] = line
+        shown[mem] = (head, line)
         used.append(mem)
         days.add(head)
         spent += cost
     if not used:
         return "", []
-    derived = any(lines[m].startswith("- derived: ") for m in used)
-    body = "\n".join(
-        "\n".join([day_line(run[0].timestamp), *(lines[m] for m in run)])
-        for run in said_order(used)
-    )
+    rows: list[str] = []
+    last = ""
+    for mem in sorted(used, key=lambda m: (m.timestamp, m.id)):  # a day's memories together
+        head, line = shown[mem]
+        if head != last:
+            rows.append(head)
+            last = head
+        rows.append(line)
+    derived = any(line.startswith("- derived: ") for _, line in shown.values())
+    body = "\n".join(rows)
     while opener in body or closer in body:  # cannot happen (no "<" in a line): never trusted
         tag = hashlib.sha256(tag.encode()).hexdigest()[:TAG_CHARS]
         opener, closer = markers(tag)
