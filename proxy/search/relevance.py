@@ -131,12 +131,17 @@ def is_question(text: str) -> bool:
     return first in QUESTION_WORDS
 
 
+def sentences(text: str) -> list[str]:
+    """``text``'s sentences, less greetings and thanks ("Hi!", "Thanks so much!": no
+    :func:`content_words` and no question mark), which neither ask nor tell anything."""
+    return [p for p in _SENTENCE_END.split(text.strip()) if "?" in p or content_words(p)]
+
+
 def asks_what_was_said(text: str) -> bool:
     """Whether one of ``text``'s sentences is a question (:func:`is_question`) that is not a
     request to the assistant (:func:`is_request`): "I'm moving at the end of the month. Can you
     help me organise it?" is a statement and a task."""
-    parts = _SENTENCE_END.split(text.strip()[:ASKS_CHARS]) or [text]
-    return any(is_question(p) and not is_request(p) for p in parts if p.strip())
+    return any(is_question(p) and not is_request(p) for p in sentences(text[:ASKS_CHARS]))
 
 
 def query_content(query: str) -> Query:
@@ -219,16 +224,28 @@ _REQUEST = re.compile(
     r"|(?:what|how|where|which|when) (?:should|can|could|do|would) (?:i|we)\b"
     r"|any (?:ideas|tips|suggestions|advice)\b"
     r"|(?:make|keep|give|suggest|tell me|show me|write|put|list|summari[sz]e|explain|translate"
-    r"|rewrite|use|fix)\b)",
+    r"|rewrite|use|fix)\b"
+    r"|(?:what|how|where|which|when|who)\b[^.!?]{0,60}?\b(?:should|shall) (?:i|we)\b)",
+    re.IGNORECASE,
+)
+_REQUEST_TAIL = re.compile(
+    r"[,;:\u2013\u2014-]\s*(?:(?:can|could|would|will) you (?:please )?(?:help|suggest|recommend"
+    r"|give|make|tell|show|list|write|plan|check|explain|summari[sz]e)\b"
+    r"|any (?:ideas|tips|suggestions|advice)\b|what do you (?:think|suggest|recommend)\b)"
+    r"[^.!?]{0,40}\?+\s*$",
     re.IGNORECASE,
 )
 
 
 def is_request(text: str) -> bool:
-    """Whether ``text`` opens by asking the assistant to do something ("Can you help me plan my
-    week?", "What should I pack?", "Make it shorter", "Any tips?"): a task, not a question
-    about what was said (no LoCoMo question opens so; English)."""
-    return _REQUEST.match(text.lstrip()[:200]) is not None  # its opening words only
+    """Whether ``text`` asks the assistant to do something: by its opening ("Can you help me
+    plan my week?", "What should I pack?", "How long before they arrive should I start
+    cooking?", "Make it shorter", "Any tips?") or by its closing words ("I'm planning a weekend
+    away, can you help?", "We land at nine, any ideas for the evening?"): a task, not a
+    question about what was said (no LoCoMo question is phrased so; English)."""
+    if _REQUEST.match(text.lstrip()[:200]) is not None:  # its opening words
+        return True
+    return _REQUEST_TAIL.search(text.rstrip()[-80:]) is not None  # or its closing ones
 
 
 def only_asks(text: str) -> bool:
@@ -238,7 +255,7 @@ def only_asks(text: str) -> bool:
     user's earlier requests to the assistant)."""
     if len(text) > ASKS_CHARS:  # a long turn says something (and is not split on every read)
         return False
-    parts = [p for p in _SENTENCE_END.split(text.strip()) if p.strip()]
+    parts = sentences(text)
     return bool(parts) and all(p.rstrip().endswith("?") or is_request(p) for p in parts)
 
 

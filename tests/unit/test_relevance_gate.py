@@ -153,21 +153,35 @@ def test_a_request_to_the_assistant_is_not_a_question_about_what_was_said() -> N
         "Make that a bit shorter please.",
         "Any tips for the first month at home?",
         "ok, let's keep going",
+        "How long before the guests arrive should I start cooking?",  # advice, not a memory
+        "Hello! I'm planning a weekend away with two friends, can you help?",  # a closing ask
+        "We land at nine, any ideas for the first evening?",
     ):
         assert is_request(text), text
         assert not query_content(text).question, text
-    for text in ("When did Caroline go to the support group?", "Remind me of my garage code"):
+    for text in (
+        "When did Caroline go to the support group?",
+        "Remind me of my garage code",
+        "What did I say I should bring?",
+        "I went to Graz last spring, can you believe it?",
+    ):
         assert not is_request(text), text
         assert query_content(text).question, text
     # a statement with a request is a statement; a statement with a question is a question
     assert not query_content("I'm moving next month. Can you help me organise it?").question
     assert query_content("I'm moving next month. Where did I put the van's number?").question
+    # a greeting is neither: the question is what the message asks
+    assert query_content("Thanks! And what was it again?").question
+    assert not query_content("Hi there! Can you help me plan my week?").question
 
 
 def test_a_turn_that_only_asks_or_asks_for_something_is_never_a_memory() -> None:
     assert only_asks("Which dish did I say was my favourite?")
     assert only_asks("Please keep the answers short. Can you list them?")
     assert not only_asks("My favourite dish is bibimbap. Do you know it?")
+    assert only_asks("Hi! Can you help me plan my week?")  # a greeting says nothing either
+    assert only_asks("Hello! Thanks so much. Any tips for packing?")
+    assert not only_asks("Hi! I just got back from Graz. Can you help me unpack?")
     assert not only_asks("Why? " * 1000)  # a long turn is not split sentence by sentence
     assert not is_request("I " + "ok " * 20_000)  # only its opening words are read
     q = query_content("What is my favourite dish?")
