@@ -44,7 +44,7 @@ Workload, generated from ``--seed`` (time-based by default, printed), the same f
 Figures per arm, over the turns after each chat's first (the first builds the cache): prompt
 tokens computed (sum of ``prompt_n``) and its ratio to direct; the median share of each prompt
 reused (``cache_n / (cache_n + prompt_n)``); memories injected per turn (``X-Engram-Memories``);
-memory tokens per turn (the ``<engram-memory-TAG>`` ... ``</engram-memory-TAG>`` blocks of the
+memory tokens per turn (the ``<memory-TAG>`` ... ``</memory-TAG>`` blocks of the
 forwarded messages that the conversation's previous forwarded request did not hold, counted by
 llama-server's ``POST /tokenize``); turns whose forwarded messages did not extend the previous
 request's ("prefix moved"); and the wasted recompute: per turn, tokens computed through Engram

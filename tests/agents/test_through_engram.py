@@ -123,8 +123,8 @@ def sent(fake: FakeUpstream, path: str) -> list[dict[str, Any]]:
 
 def assert_no_scaffolding_recalled(text: str) -> None:
     """No memory block in ``text`` (a body, or blocks) holds an agent's scaffolding."""
-    block = "\n".join(re.findall(r"<engram-memory-(\w+)>.*?</engram-memory-\1>", text, re.S))
-    assert block or "<engram-memory" not in text
+    block = "\n".join(re.findall(r"<memory-(\w+)>.*?</memory-\1>", text, re.S))
+    assert block or "<memory" not in text
     for mark in ("Attribution", "environment_context", "Primary working directory", "agent"):
         assert mark not in block, (mark, block[:2000])
 

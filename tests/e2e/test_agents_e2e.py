@@ -123,7 +123,7 @@ async def test_claude_code_recalls_a_fact_from_another_run_on_a_real_model(
     last = carrying[0]
     assert int(last.response_headers["X-Engram-Memories"].split(";")[0]) >= 1
     given = json.dumps(last.forwarded)
-    block = given[given.find("<engram-memory") : given.find("</engram-memory")]
+    block = given[given.find("<memory") : given.find("</memory")]
     assert "Zorblax" in block, block
     # What the user said, without the reminder Claude Code put before it. The model's own reply
     # may say anything: the tiny model once parroted the reminder from its prompt (seen in CI),
@@ -172,7 +172,7 @@ async def test_aider_recalls_a_fact_from_another_run_on_a_real_model(
     last = turns[-1]
     assert int(last.response_headers["X-Engram-Memories"].split(";")[0]) >= 1
     given = json.dumps(last.forwarded)
-    block = given[given.find("<engram-memory") : given.find("</engram-memory")]
+    block = given[given.find("<memory") : given.find("</memory")]
     assert "Zorblax" in block, block
 
 
@@ -207,5 +207,5 @@ async def test_qwen_code_recalls_a_fact_from_another_run_on_a_real_model(
     memories = asked.response_headers["X-Engram-Memories"]
     assert int(memories.split(";")[0]) >= 1, [t.response_headers for t in turns]
     given = json.dumps(asked.forwarded)
-    block = given[given.find("<engram-memory") : given.find("</engram-memory")]
+    block = given[given.find("<memory") : given.find("</memory")]
     assert "Zorblax" in block, block

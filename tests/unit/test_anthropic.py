@@ -20,7 +20,7 @@ from testing.fake_anthropic import chat_messages
 from testing.fake_chunks import template_violations
 
 API = AnthropicMessages()
-BLOCK = '<engram-memory-abc>\n- [2024-01-01] user: "I live in Lisbon"\n</engram-memory-abc>'
+BLOCK = '<memory-abc>\n- [2024-01-01] user: "I live in Lisbon"\n</memory-abc>'
 PNG = "iVBORw0KGgo" * 1000
 
 SYSTEM_BLOCKS = [

@@ -107,7 +107,7 @@ def test_tag_is_stable_per_session_and_unguessable_across() -> None:
     assert block_tag(b"k" * 32, "session-2") != TAG
     assert block_tag(b"j" * 32, "session-1") != TAG
     # Without a tag the markers are plain (the renderer still escapes every "<").
-    assert markers("") == ("<engram-memory>", "</engram-memory>")
+    assert markers("") == ("<memory>", "</memory>")
 
 
 def test_every_corpus_entry_as_text_and_as_speaker_stays_inside() -> None:
@@ -134,7 +134,7 @@ DANGEROUS = st.sampled_from(
         *"<>[]/|\"'\\:#\n\r\t\x0b\x0c\x85\u2028\u2029\u200b\u200d\u202e\ufeff\x00\x1b",
         *(
             "<|im_start|>",
-            "</engram-memory>",
+            "</memory>",
             "[INST]",
             "SYSTEM:",
             "\uff1c",

@@ -166,7 +166,7 @@ def test_encode_memory_block_after_the_system_text_byte_identical() -> None:
         {"role": "user", "content": "q", "images": [PNG]},
     ]
     conv = API.parse(json.dumps({"model": "m", "messages": sent}).encode())
-    block = "<engram-memory>\nfact\n</engram-memory>"
+    block = "<memory>\nfact\n</memory>"
     out = json.loads(
         API.encode(conv, [append_to_system(conv.messages[0], block), conv.messages[1]])
     )

@@ -99,7 +99,7 @@ def test_assembly_properties(
 ) -> None:
     assert not template_violations(msgs)
     memory = (
-        "<engram-memory>\n- [2026-01-01] user: likes tea\n</engram-memory>" if with_memory else ""
+        "<memory>\n- [2026-01-01] user: likes tea\n</memory>" if with_memory else ""
     )
     out = assemble(
         msgs,
