@@ -297,13 +297,13 @@ def words(text: str) -> list[str]:
     return re.findall(r"\s*\S+|\s+", text) or [""]
 
 
-_ENGRAM_BLOCK = re.compile(r"<engram-(memory|summary)[^>]*>.*?</engram-\1[^>]*>\s*", re.S)
+_ENGRAM_BLOCK = re.compile(r"<(memory|engram-summary)(?:-[0-9a-f]+)?>.*?</\1[^>]*>\s*", re.S)
 
 
 def users_words(text: str) -> str:
     """A user message's text without the blocks Engram lays before the user's words (memory,
     summary): what the fakes' echo answers, as a model answers the user, not its notes."""
-    return _ENGRAM_BLOCK.sub("", text) if "<engram-" in text else text
+    return _ENGRAM_BLOCK.sub("", text) if "<" in text else text
 
 
 def last_user_text(messages: Any) -> str:
