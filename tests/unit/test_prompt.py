@@ -98,9 +98,7 @@ def test_assembly_properties(
     msgs: list[Message], budget: int, mode: str, with_memory: bool, with_summary: bool
 ) -> None:
     assert not template_violations(msgs)
-    memory = (
-        "<memory>\n- [2026-01-01] user: likes tea\n</memory>" if with_memory else ""
-    )
+    memory = "<memory>\n- [2026-01-01] user: likes tea\n</memory>" if with_memory else ""
     out = assemble(
         msgs,
         budget=budget,
