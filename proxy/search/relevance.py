@@ -305,6 +305,11 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
     return out if query.question else out[: g.statement_top]
 
 
+REPEATS_SHARE = 0.7
+"""A model's reply that has this share of its content words in one hit kept before it repeats
+that hit (:func:`distinct`)."""
+
+
 def distinct(
     kept: Sequence[int], hits: Sequence[HitFeatures], words: Mapping[int, frozenset[str]]
 ) -> list[int]:
@@ -315,13 +320,23 @@ def distinct(
     reply whose words the user's kept turns hold between them goes too ("The appointment was on
     Tuesday at 9:45." beside "I booked a dentist appointment…" and "It's on Tuesday at 9:45…":
     on LoCoMo, whose second speaker is stored as the assistant, it costs 0.001 of the evidence
-    the gate keeps)."""
+    the gate keeps), and so does one that mostly repeats a hit kept before it
+    (:data:`REPEATS_SHARE` of its words in that one: a model answering alike every time, "I'm
+    sorry for any confusion, but as a personal assistant…"; on LoCoMo it costs nothing)."""
     out = _distinct_pairs(kept, hits, words)
     said: set[str] = set()
     for i in out:
         if hits[i].role != "assistant":
             said |= words[i]
-    return [i for i in out if hits[i].role != "assistant" or not words[i] <= said]
+    shown: list[int] = []
+    for i in out:
+        mine = words[i]
+        if hits[i].role == "assistant" and (
+            mine <= said or any(len(mine & words[j]) >= REPEATS_SHARE * len(mine) for j in shown)
+        ):
+            continue
+        shown.append(i)
+    return shown
 
 
 def _distinct_pairs(

@@ -218,6 +218,24 @@ def test_a_models_reply_the_users_kept_turns_say_between_them_goes() -> None:
     assert admit(q, person, G) == [0, 1, 2, 3]
 
 
+def test_a_models_reply_that_mostly_repeats_a_kept_hit_goes() -> None:
+    q = query_content("When is the deadline for project Orchard?")
+    sorry = "I'm sorry for any confusion, but as a personal assistant, I help with projects"
+    hits = [
+        hit(0.8, content="At work I'm now leading project Orchard, the warehouse app."),
+        hit(0.75, role="assistant", content=sorry + " of every kind."),
+        hit(0.7, content="The deadline is the 16th of April, which is tight."),
+        hit(0.65, role="assistant", content=sorry + " of any size, truly."),
+        hit(0.6, role="assistant", content="Orchard's review with the client is in early April."),
+    ]
+    # the second apology has 6 of its 8 words in the first: it goes; the last reply shares
+    # "Orchard" and "April" with the kept hits, 2 of its 5 words, and stays
+    assert admit(q, hits, G) == [0, 1, 2, 4]
+    # a person's words stay whatever they repeat
+    person = [*hits[:3], dataclasses.replace(hits[3], role="user"), hits[4]]
+    assert admit(q, person, G) == [0, 1, 2, 3, 4]
+
+
 def test_a_question_about_the_users_own_words_takes_a_models_reply_only_when_very_close() -> None:
     """ "Which dish did I say was my favourite?" drew three of the small model's babbling replies
     that named the dish beside the user's own words (bench.prefix); a question about two other
