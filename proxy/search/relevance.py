@@ -154,11 +154,28 @@ STEM_CHARS = 4
 """A word and a longer one it starts count as one from this many letters ("cook", "cooking")."""
 
 
+LIGHT_WORDS = frozenset(
+    " ".join(
+        (
+            "like likes liked want wants wanted need needs needed get gets got getting go goes",
+            "going went make makes made making think know would could might must also really",
+            "new one thing things something anything everything someone",
+        )
+    ).split()
+)
+"""Content words too light to tie a statement to a memory ("Saturday we'd like a hike…" and
+"Monday I need to do groceries and I'd like a gym session…" share only "like"; English)."""
+
+
 def shares_word(terms: frozenset[str], said: Sequence[str]) -> bool:
     """Whether a hit's content words (``said``) hold one of the message's (``terms``), or one
     word of a pair starts the other and has at least :data:`STEM_CHARS` letters ("cook",
-    "cooking"; "Thursday", "Thursdays")."""
+    "cooking"; "Thursday", "Thursdays"); a light word (:data:`LIGHT_WORDS`) counts for
+    neither."""
+    terms = terms - LIGHT_WORDS
     for w in said:
+        if w in LIGHT_WORDS:
+            continue
         if w in terms:
             return True
         if len(w) >= STEM_CHARS and any(

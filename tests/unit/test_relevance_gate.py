@@ -90,6 +90,18 @@ def test_bare_acknowledgements_are_never_memories() -> None:
     assert admit(q, hits, G) == []
 
 
+def test_a_statement_and_a_memory_sharing_only_a_light_word_are_not_related() -> None:
+    """The chat bench's "Saturday we'd like a hike…" drew "Monday I need to do groceries and
+    I'd like a gym session…" (shared: "like")."""
+    q = query_content("Saturday we'd like a hike in the morning and a museum after lunch.")
+    gym = "Monday I need to do groceries and I'd like a gym session in the evening."
+    assert admit(q, [hit(0.6, content=gym)], G) == []
+    museum = "The museum is closed on Mondays, we'd like to go another day."
+    assert admit(q, [hit(0.6, content=museum)], G) == [0]  # "museum" ties them
+    assert shares_word(frozenset(["hike", "like"]), ["hiking"])  # stems still count
+    assert not shares_word(frozenset(["new", "flat"]), ["new", "pet"])
+
+
 def test_a_statement_takes_only_the_closest_hit_near_the_best() -> None:
     """Not a question: one memory at most (the chat bench's statements drew loosely related
     turns: "Okay, let's keep going." the user's "let's keep it simple"), close to it."""
