@@ -15,7 +15,8 @@ reads what is absolute beside the ranks and keeps a hit only when:
   (:func:`only_asks`: every sentence a question or a request to the assistant);
 - it says something the others kept do not (:func:`distinct`: a model repeating the user's
   fact, the same words sent twice, are shown once, the user's own words first; a model's reply
-  whose words the user's kept turns hold between them is not shown);
+  whose words the user's kept turns hold between them is not shown, nor one that mostly repeats
+  a hit kept before it);
 - its vector agrees: a hit full-text search found needs a cosine to the query of at least
   ``min_cosine`` (``question_cosine`` for a question; a shared common word alone is no
   relevance), one only the vector path found needs ``cosine_alone``. Without a cosine (the
@@ -26,10 +27,10 @@ reads what is absolute beside the ranks and keeps a hit only when:
   best one's, whatever its rank (on LoCoMo, where every message is a question, the evidence a
   top 20 holds sits anywhere in it; the fused score tells it from the rest far better than the
   cosine alone does; a hit as close as ``cosine_alone`` goes whatever its score); any other
-  message (a statement,
-  an instruction, small talk) takes only what both paths agree on: a hit that shares a content
-  word with it (:func:`shares_word`; full-text search's rank is not enough, it also matches a
-  turn by its neighbours' words) and is close in meaning, ``min_cosine``, near the best hit
+  message (a statement, an instruction, small talk) takes only what both paths agree on: a
+  hit that shares a content word with it, not a light one (:func:`shares_word`; full-text
+  search's rank is not enough, it also matches a turn by its neighbours' words) and is close
+  in meaning, ``min_cosine``, near the best hit
   (a fused score at least ``min_share`` of the best one's), at most ``statement_top`` (one) (in
   mode ``stable`` each block stays in the prompt: a chat of statements must not fill its window
   with memories). The vector alone is not enough here: a chat's short turns are embedded as
