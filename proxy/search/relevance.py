@@ -132,10 +132,15 @@ def is_question(text: str) -> bool:
     return first in QUESTION_WORDS
 
 
+GREETING_CHARS = 40
+"""A sentence longer than this is not a greeting (and is not read for one)."""
+
+
 def sentences(text: str) -> list[str]:
     """``text``'s sentences, less greetings and thanks ("Hi!", "Thanks so much!": no
     :func:`content_words` and no question mark), which neither ask nor tell anything."""
-    return [p for p in _SENTENCE_END.split(text.strip()) if "?" in p or content_words(p)]
+    parts = _SENTENCE_END.split(text.strip())
+    return [p for p in parts if len(p) > GREETING_CHARS or "?" in p or content_words(p)]
 
 
 def asks_what_was_said(text: str) -> bool:
