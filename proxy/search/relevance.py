@@ -242,8 +242,11 @@ class HitFeatures:
 
 
 _OPENERS = r"(?:(?:hi|hello|hey|ok|okay|so|and|also|now|well|great|thanks|thank you)\b[\s,!.]*)*"
+# A lead of up to three words and no pronoun before it: "For Wednesday, suggest…", "Tonight,
+# can you…" (not "I went to Graz, can you believe it?").
+_LEAD = r"(?:(?:(?!(?:i|we|you|he|she|they|it)\b)[^\s,.!?]+\s+){0,2}[^\s,.!?]+,\s*)?"
 _REQUEST = re.compile(
-    _OPENERS + r"(?:(?:can|could|would|will) you\b|(?:please|help me|let'?s|let me)\b"
+    _OPENERS + _LEAD + r"(?:(?:can|could|would|will) you\b|(?:please|help me|let'?s|let me)\b"
     r"|(?:what|how|where|which|when) (?:should|can|could|do|would) (?:i|we)\b"
     r"|any (?:ideas|tips|suggestions|advice)\b"
     r"|(?:make|keep|give|suggest|tell me|show me|write|put|list|summari[sz]e|explain|translate"

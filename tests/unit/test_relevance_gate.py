@@ -168,6 +168,8 @@ def test_a_request_to_the_assistant_is_not_a_question_about_what_was_said() -> N
         "How long before the guests arrive should I start cooking?",  # advice, not a memory
         "Hello! I'm planning a weekend away with two friends, can you help?",  # a closing ask
         "We land at nine, any ideas for the first evening?",
+        "For Wednesday, suggest a dinner I can make in twenty minutes.",  # a short lead first
+        "Tonight, can you keep it short?",
     ):
         assert is_request(text), text
         assert not query_content(text).question, text
@@ -176,6 +178,7 @@ def test_a_request_to_the_assistant_is_not_a_question_about_what_was_said() -> N
         "Remind me of my garage code",
         "What did I say I should bring?",
         "I went to Graz last spring, can you believe it?",
+        "Yesterday we went, can you believe it?",  # a lead with a pronoun tells something
     ):
         assert not is_request(text), text
         assert query_content(text).question, text
@@ -189,6 +192,8 @@ def test_a_request_to_the_assistant_is_not_a_question_about_what_was_said() -> N
 
 def test_a_turn_that_only_asks_or_asks_for_something_is_never_a_memory() -> None:
     assert only_asks("Which dish did I say was my favourite?")
+    assert only_asks("For Wednesday, suggest a dinner I can make in twenty minutes.")
+    assert not only_asks("Yesterday, I made a cake.")
     assert only_asks("Please keep the answers short. Can you list them?")
     assert not only_asks("My favourite dish is bibimbap. Do you know it?")
     assert only_asks("Hi! Can you help me plan my week?")  # a greeting says nothing either
