@@ -248,19 +248,20 @@ class Archive:
         if rows and self.quota is not None and not await self.quota.allows(user, len(rows)):
             return True  # over the user's turn cap (logged): the reply goes, unarchived
         key, shown, claims = mt.block_key, list(mt.injected), self.claims
+        laid_at = mt.block_at  # the block's year is the one it was made in
         claim = mt.claim if mt.claim is not None and not mt.claim.released else None
 
         def commit(c: Connection) -> tuple[Session, list[tuple[int, NewTurn]]]:
             session, inserted = commit_turns(c, placement, rows, now)
             if key is not None:  # what was laid before the user message, for later requests
-                put_block(c, session.user_id, key, session.id, shown, now)
+                put_block(c, session.user_id, key, session.id, shown, laid_at)
             if claim is not None and claims is not None:  # the position is taken: free it
                 claims.release_in(c, claim)
             return session, inserted
 
         def record(c: Connection) -> None:
             if key is not None:
-                put_block(c, user, key, placement.session.id, shown, now)
+                put_block(c, user, key, placement.session.id, shown, laid_at)
             if claim is not None and claims is not None:
                 claims.release_in(c, claim)
 

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from proxy.chat.fence import Recalled, block_tag, memory_block
+from proxy.chat.fence import Recalled, block_tag, memory_block, year_of
 from proxy.chat.recall import Recall, recalled, words_recalled
 from proxy.chat.turn import Laid
 from proxy.store.blocks import Record, blocks_of
@@ -99,9 +99,13 @@ class Layer:
                 m for i in record.ids if (m := self._memory(by_id.get(i), repeated)) is not None
             ]
             tag = block_tag(secret, record.session_id)
-            block, used = memory_block(memories, UNLIMITED, _free, tag) if memories else ("", [])
+            year = year_of(record.created_at)
+            block, used = (
+                memory_block(memories, UNLIMITED, _free, tag, year) if memories else ("", [])
+            )
             if index == current:
                 laid.current_memories, laid.current_tag = used, tag
+                laid.current_at = record.created_at
             elif block:
                 laid.blocks[index], laid.ids[index] = block, [m.id for m in used]
         return laid

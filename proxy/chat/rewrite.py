@@ -432,7 +432,7 @@ class Rewriter:
         s = self.settings
         again = mt.laid is not None and mt.laid.current_memories is not None
         room = UNLIMITED if again else mt.memory_room  # a block laid again is not cut
-        block, used = memory_block(memories, room, count_text, self.tag(mt))
+        block, used = memory_block(memories, room, count_text, self.tag(mt), mt.block_year)
         mt.injected = [m.id for m in used]
         # The block's tokens as its lines' plus one per line end, as memory_block filled it
         # (each line counted and remembered then): at most a token a line above the exact

@@ -4,11 +4,12 @@ memory stages' :class:`MemoryTurn` (with its :class:`Placement`). Data only."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.chat.api import Conversation
-from proxy.chat.fence import Recalled
+from proxy.chat.fence import Recalled, year_of
 from proxy.chat.identity import Identity
 from proxy.chat.prompt import Assembly
 from proxy.said import Said
@@ -69,6 +70,7 @@ class Laid:
     # with the tag its block was laid with.
     current_memories: list[Recalled] | None = None
     current_tag: str | None = None
+    current_at: float | None = None  # when that block was laid (its year: fence.day)
 
     def shown_from(self, start: int) -> set[int]:
         """Memory ids the earlier blocks at or after ``start`` show (they stay in the prompt)."""
@@ -119,7 +121,15 @@ class MemoryTurn:
     # current user message when what is laid before it now is to be recorded with the archive.
     laid: Laid | None = None
     block_key: str | None = None
+    block_at: float = field(default_factory=time.time)  # when this request's block is laid
     said: Said = field(default_factory=Said)  # the said chain after the request's messages
+
+    @property
+    def block_year(self) -> int:
+        """The year the memory block is laid in (its days of that year go without it): a
+        block laid again keeps the year it was first laid in."""
+        laid = self.laid.current_at if self.laid is not None else None
+        return year_of(laid if laid is not None else self.block_at)
 
 
 @dataclass

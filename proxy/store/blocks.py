@@ -25,10 +25,12 @@ MAX_IDS = 100
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """What was laid before one user message: by which session, which memories."""
+    """What was laid before one user message: by which session, which memories, and when (the
+    block shows the days of that year without it: :func:`proxy.chat.fence.day`)."""
 
     session_id: str
     ids: list[int]
+    created_at: float = 0.0
 
 
 def blocks_of(conn: Connection, user_id: str, chains: Sequence[str]) -> dict[str, list[Record]]:
@@ -39,19 +41,21 @@ def blocks_of(conn: Connection, user_id: str, chains: Sequence[str]) -> dict[str
     for i in range(0, len(wanted), 500):  # within any backend's parameter limit
         part = wanted[i : i + 500]
         marks = ",".join("?" * len(part))
-        for chain, session_id, ids in conn.execute(
-            f"SELECT chain, session_id, turn_ids FROM prompt_blocks"
+        for chain, session_id, ids, created_at in conn.execute(
+            f"SELECT chain, session_id, turn_ids, created_at FROM prompt_blocks"
             f" WHERE user_id = ? AND chain IN ({marks}) ORDER BY created_at, session_id",
             (user_id, *part),
         ):
-            out.setdefault(str(chain), []).append(Record(str(session_id), _ids(ids)))
+            at = float(created_at) if isinstance(created_at, int | float) else 0.0
+            out.setdefault(str(chain), []).append(Record(str(session_id), _ids(ids), at))
     return out
 
 
 def put_block(
     conn: Connection, user_id: str, chain: str, session_id: str, ids: Sequence[int], now: float
 ) -> None:
-    """Record the memories the session laid before the message ``chain`` (the first record
+    """Record the memories the session laid before the message ``chain`` at ``now`` (when the
+    block was made: its year is the block's, :func:`proxy.chat.fence.day`; the first record
     stays: a message's block never changes once forwarded). A session that is gone records
     nothing."""
     conn.execute(

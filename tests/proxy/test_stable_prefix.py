@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -245,6 +246,45 @@ async def test_a_restart_lays_the_same_blocks_and_forgetting_takes_a_memory_out(
         forgotten = kv.chat_requests()[-1].json()["messages"]
         assert "4711" not in forwarded_memory(forgotten)
         assert BLOCK_OPEN not in json.dumps(forgotten[1])  # its block held only that memory
+    finally:
+        await engram.close()
+
+
+YEARLESS_DAY = re.compile(r"^\d{1,2} [A-Z][a-z]{2}:$", re.MULTILINE)  # "5 Dec:"
+DAY_WITH_YEAR = re.compile(r"^\d{1,2} [A-Z][a-z]{2} \d{4}:$", re.MULTILINE)  # "5 Dec 2025:"
+
+
+async def test_a_block_laid_again_keeps_the_year_it_was_laid_in(
+    kv: FakeUpstream, db: str, http: aiohttp.ClientSession
+) -> None:
+    engram = await start(kv, db)
+    asked = {"role": "user", "content": "What is the code of my garage door?"}
+    messages: list[dict[str, Any]] = [SYSTEM, asked]
+    try:
+        await tell_earlier(http, engram)
+        body, _ = await send(http, engram, messages)
+        block = forwarded_memory(kv.chat_requests()[-1].json()["messages"])
+        assert "4711" in block and YEARLESS_DAY.search(block) and not DAY_WITH_YEAR.search(block)
+        messages.append(body["choices"][0]["message"])
+        await settle(engram)
+
+        def a_year_ago(c: Any) -> None:  # the memories said and the block laid a year ago
+            c.execute("UPDATE turns SET timestamp = timestamp - 366 * 86400")
+            c.execute("UPDATE prompt_blocks SET created_at = created_at - 366 * 86400")
+
+        await engram.app[SERVICES].store.write(a_year_ago)
+    finally:
+        await engram.close()
+    engram = await start(kv, db)
+    try:
+        messages.append({"role": "user", "content": "Fine. Tuesday I go running."})
+        await send(http, engram, messages)
+        again = forwarded_memory(kv.chat_requests()[-1].json()["messages"][:2])
+        assert "4711" in again and YEARLESS_DAY.search(again) and not DAY_WITH_YEAR.search(again)
+        # a block laid now, in a new conversation, names that year
+        await send(http, engram, [SYSTEM, {"role": "user", "content": "My garage door code?"}])
+        fresh = forwarded_memory(kv.chat_requests()[-1].json()["messages"])
+        assert "4711" in fresh and DAY_WITH_YEAR.search(fresh), fresh
     finally:
         await engram.close()
 

@@ -84,6 +84,13 @@ def test_memories_chosen_best_first_are_shown_in_the_order_said_under_their_day(
         '- user: "We moved to Porto"',
     ]
     assert [p.when for p in parse_block(block)] == ["14 Nov 2023"] * 2 + ["17 Nov 2023"]
+    # laid in 2023, its days go without the year (a block of another year's shows it)
+    this_year, _ = memory_block([later, mem(1, "I live in Lisbon")], 500, approx_tokens, TAG, 2023)
+    assert this_year.split("\n")[2::2][:2] == ["14 Nov:", "17 Nov:"]
+    assert [p.when for p in parse_block(this_year)] == ["14 Nov", "17 Nov"]
+    assert approx_tokens(this_year) < approx_tokens(
+        memory_block([later, mem(1, "I live in Lisbon")], 500, approx_tokens, TAG, 2024)[0]
+    )
     # a day's line is counted once: two memories of one day cost less than of two days
     one_day, _ = memory_block([mem(1, "a b c"), mem(2, "d e f")], 500, approx_tokens, TAG)
     other_day = dataclasses.replace(mem(2, "d e f"), timestamp=later.timestamp)
@@ -261,6 +268,9 @@ def test_a_line_says_the_day_in_utc_whatever_the_locale() -> None:
 
     assert day(1_700_000_000) == "14 Nov 2023" and day(1_704_067_199) == "31 Dec 2023"
     assert day(1_704_067_200) == "1 Jan 2024"  # midnight UTC, no leading zero
+    # a day of the year the block is laid in goes without it, another year's with it
+    assert day(1_700_000_000, 2023) == "14 Nov" and day(1_700_000_000, 2024) == "14 Nov 2023"
+    assert day(1_704_067_199, 2024) == "31 Dec 2023" and day(1_704_067_200, 2024) == "1 Jan"
     saved = locale.setlocale(locale.LC_TIME)
     try:
         with contextlib.suppress(locale.Error):
