@@ -36,6 +36,10 @@ reads what is absolute beside the ranks and keeps a hit only when:
   with memories). The vector alone is not enough here: a chat's short turns are embedded as
   ``"user: …"``, and that shared start lifts their cosine ("For Wednesday, suggest a dinner I
   can make in twenty minutes." and "I usually cook it on Thursday evenings." 0.56);
+- a task (a message with a request to the assistant: "Can you summarise the plan for Monday to
+  Wednesday?") is about the conversation at hand: its memory must share what the task names
+  (:func:`anchors`: "a present for Hugo", "my sister"), not only a common word ("plan",
+  "cooking", a weekday);
 - its words bring it close, not its speaker: a turn is embedded as ``"<speaker>: <words>"``
   and the query as ``"user: <words>"``, and on short texts that start alone makes much of the
   cosine (in a chat app's archive every turn of the user starts ``"user: "``: "Okay, let's keep
@@ -107,12 +111,14 @@ QUESTION_WORDS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Query:
-    """What the gate reads of the message: its content words, whether it asks, and whether it
-    is about the user's own life or words (first person: "What did I say…", "our new pet")."""
+    """What the gate reads of the message: its content words, whether it asks, whether it is
+    about the user's own life or words (first person: "What did I say…", "our new pet"), and,
+    for a message that asks the assistant to do something, what it names (:func:`anchors`)."""
 
     terms: frozenset[str]  # its content words
     question: bool
     own: bool = False
+    anchors: frozenset[str] | None = None  # a task's names; None: the message is no task
 
     @property
     def words(self) -> int:
@@ -153,7 +159,41 @@ def asks_what_was_said(text: str) -> bool:
 def query_content(query: str) -> Query:
     """What the gate needs of the message."""
     own = any(t.lower() in FIRST_PERSON for t in tokens(query[:ASKS_CHARS]))
-    return Query(frozenset(content_words(query)), asks_what_was_said(query), own)
+    question = asks_what_was_said(query)
+    task = not question and any(is_request(p) for p in sentences(query[:ASKS_CHARS]))
+    names = anchors(query) if task else None
+    return Query(frozenset(content_words(query)), question, own, names)
+
+
+CALENDAR_WORDS = frozenset(
+    " ".join(
+        (
+            "monday tuesday wednesday thursday friday saturday sunday january february march",
+            "april may june july august september october november december today tomorrow",
+            "tonight yesterday week weekend day days morning afternoon evening night month year",
+        )
+    ).split()
+)
+"""Words a task names that are about when, not about what (English)."""
+_OWNERS = frozenset(["my", "our"])
+
+
+def anchors(text: str) -> frozenset[str]:
+    """What a message names that a memory could be about: a word written with a capital
+    inside a sentence ("a present for Hugo", "project Orchard") or after "my" / "our" ("my
+    sister"), neither a day nor a time word; lowercased. A task ("Can you summarise the plan
+    for Monday to Wednesday?", "How long before the guests arrive should I start cooking?") is
+    about the conversation at hand: it draws on memory only through what it names."""
+    out: set[str] = set()
+    for sentence in _SENTENCE_END.split(text[:ASKS_CHARS].strip()):
+        words = list(tokens(sentence))
+        for i, t in enumerate(words[1:], 1):
+            w = t.lower()
+            if w in CALENDAR_WORDS or w in STOP_WORDS or w in ACKNOWLEDGEMENTS:
+                continue
+            if t[:1].isupper() or words[i - 1].lower() in _OWNERS:
+                out.add(w)
+    return frozenset(out)
 
 
 STEM_CHARS = 4
@@ -246,7 +286,10 @@ _OPENERS = r"(?:(?:hi|hello|hey|ok|okay|so|and|also|now|well|great|thanks|thank 
 # can you…" (not "I went to Graz, can you believe it?").
 _LEAD = r"(?:(?:(?!(?:i|we|you|he|she|they|it)\b)[^\s,.!?]+\s+){0,2}[^\s,.!?]+,\s*)?"
 _REQUEST = re.compile(
-    _OPENERS + _LEAD + r"(?:(?:can|could|would|will) you\b|(?:please|help me|let'?s|let me)\b"
+    _OPENERS
+    + _LEAD
+    + r"(?:(?:can|could|would|will) you\b(?! (?:please )?(?:remind|recall|remember)\b)"
+    r"|(?:please|help me|let'?s|let me)\b"
     r"|(?:what|how|where|which|when) (?:should|can|could|do|would) (?:i|we)\b"
     r"|any (?:ideas|tips|suggestions|advice)\b"
     r"|(?:make|keep|give|suggest|tell me|show me|write|put|list|summari[sz]e|explain|translate"
@@ -268,7 +311,8 @@ def is_request(text: str) -> bool:
     plan my week?", "What should I pack?", "How long before they arrive should I start
     cooking?", "Make it shorter", "Any tips?") or by its closing words ("I'm planning a weekend
     away, can you help?", "We land at nine, any ideas for the evening?"): a task, not a
-    question about what was said (no LoCoMo question is phrased so; English)."""
+    question about what was said (no LoCoMo question is phrased so; English). "Can you remind
+    me…?" asks what was said."""
     if _REQUEST.match(text.lstrip()[:200]) is not None:  # its opening words
         return True
     return _REQUEST_TAIL.search(text.rstrip()[-80:]) is not None  # or its closing ones
@@ -319,6 +363,8 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             # A statement's memory shares a word with it (its own: full-text search also
             # matches a turn by its neighbours' words) and is close in meaning.
             ok = False
+        elif query.anchors is not None and not shares_word(query.anchors, said):
+            ok = False  # a task's memory is about something it names
         elif h.cosine is None:
             ok = h.fts is not None and query.words > 0
         elif query.words == 0 or h.fts is None:

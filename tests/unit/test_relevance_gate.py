@@ -9,6 +9,7 @@ from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
     admit,
+    anchors,
     content_words,
     is_question,
     is_request,
@@ -63,8 +64,8 @@ def test_a_statement_takes_only_what_both_paths_found() -> None:
     """A chat's short turns are embedded as "user: …", and that shared start lifts their
     cosine: the chat bench's "For Wednesday, suggest a dinner I can make in twenty minutes."
     drew "I usually cook it on Thursday evenings." (no word shared, cosine 0.56)."""
-    q = query_content("For Wednesday, suggest a dinner I can make in twenty minutes.")
-    assert not q.question
+    q = query_content("On Wednesday I want a dinner I can make in twenty minutes.")
+    assert not q.question and q.anchors is None  # a statement, not a task
     cook = "I usually cook it on Thursday evenings."
     assert admit(q, [hit(0.56, fts=None, content=cook)], G) == []
     assert admit(q, [hit(0.9, fts=None, content=cook)], G) == []
@@ -75,6 +76,33 @@ def test_a_statement_takes_only_what_both_paths_found() -> None:
     assert admit(q, [hit(0.45, content=dinners)], G) == []  # a shared word alone: no
     q = query_content("Which day did I say I cook?")  # a question: the vector alone may do
     assert admit(q, [hit(0.56, fts=None, content=cook)], G) == [0]
+
+
+def test_a_task_draws_on_memory_only_through_what_it_names() -> None:
+    """The chat bench's planning tasks drew memories by a common word: "Can you summarise the
+    plan for Monday to Wednesday?" got "I usually cook it on Monday evenings.", "How long
+    before the guests arrive should I start cooking?" got "I usually cook it on Wednesday
+    evenings." (cosines 0.51 and 0.59)."""
+    cook = "I usually cook it on Monday evenings."
+    for text in (
+        "Can you summarise the plan for Monday to Wednesday?",
+        "How long before the guests arrive should I start cooking?",
+        "For Wednesday, suggest a dinner I can cook in twenty minutes.",
+    ):
+        q = query_content(text)
+        assert q.anchors == frozenset() and not q.question, text
+        assert admit(q, [hit(0.7, content=cook)], G) == [], text
+    # what a task names ties it to a memory: a name, or what follows "my" / "our"
+    hugo = "My best friend Hugo has his birthday on 24 September."
+    q = query_content("Can you suggest a present for Hugo?")
+    assert q.anchors == frozenset(["hugo"]) and admit(q, [hit(0.6, content=hugo)], G) == [0]
+    vera = "Guess what, my sister Vera got a job in Utrecht!"
+    q = query_content("Write a short birthday message for my sister.")
+    assert q.anchors == frozenset(["sister"]) and admit(q, [hit(0.6, content=vera)], G) == [0]
+    assert anchors("On Friday, tell Lukas about it. Then my week starts.") == frozenset(["lukas"])
+    # a statement is no task: its shared word is enough
+    q = query_content("I might cook something on Monday.")
+    assert q.anchors is None and admit(q, [hit(0.7, content=cook)], G) == [0]
 
 
 def test_a_shared_word_is_the_same_word_or_one_starting_the_other() -> None:
@@ -179,6 +207,7 @@ def test_a_request_to_the_assistant_is_not_a_question_about_what_was_said() -> N
         "What did I say I should bring?",
         "I went to Graz last spring, can you believe it?",
         "Yesterday we went, can you believe it?",  # a lead with a pronoun tells something
+        "Could you remind me what I said about the trip?",  # asks what was said
     ):
         assert not is_request(text), text
         assert query_content(text).question, text
