@@ -1,7 +1,9 @@
 """The relevance gate: which of a search's hits bear on the message at all (pure).
 
-Search always answers: its fused scores are relative (the best full-text match scores 1 on its
-feature whatever it matched), so a top 20 is full whenever the archive holds 20 turns. The gate
+What a message's phrasing says (a question, a request, a greeting, a name, a model's
+boilerplate) is read by :mod:`proxy.search.phrasing`. Search always answers: its fused scores
+are relative (the best full-text match scores 1 on its feature whatever it matched), so a top
+20 is full whenever the archive holds 20 turns. The gate
 reads what is absolute beside the ranks and keeps a hit only when:
 
 - the message has words to go on: a message of greetings, thanks and acknowledgements alone
@@ -12,7 +14,9 @@ reads what is absolute beside the ranks and keeps a hit only when:
   before?", still finds a top 20 of loosely related turns);
 - the hit itself says something: a bare acknowledgement ("ok", "Thanks!", "haha nice") is never
   a memory (fewer than ``min_words`` content words), and neither is a turn that only asks
-  (:func:`only_asks`: every sentence a question or a request to the assistant);
+  (:func:`only_asks`: every sentence a question or a request to the assistant), nor a model's
+  reply that opens with its boilerplate (:func:`boilerplate`: "I'm sorry for any confusion,
+  but as a personal assistant…");
 - it says something the others kept do not (:func:`distinct`: a model repeating the user's
   fact, the same words sent twice, are shown once, the user's own words first; a model's reply
   whose words the user's kept turns hold between them is not shown, nor one that mostly repeats
@@ -60,53 +64,21 @@ LoCoMo's questions and on messages that need no memory.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.search.fts_query import STOP_WORDS, tokens
-
-ACKNOWLEDGEMENTS = frozenset(
-    " ".join(
-        (
-            "ok okay k kk yes yeah yep yup ya no nope nah sure thanks thank thx ty cheers hi",
-            "hello hey hiya yo bye goodbye cya later morning evening night good great cool",
-            "nice fine perfect awesome wow lol haha hahaha hehe lmao right alright gotcha",
-            "got sounds please pls welcome np indeed exactly agreed true totally absolutely",
-            "definitely amazing wonderful love oh ah hmm um uh well much lot lots glad happy",
-            "see soon care take",
-        )
-    ).split()
+from proxy.search.fts_query import tokens
+from proxy.search.phrasing import (
+    ASKS_CHARS,
+    anchors,
+    asks_what_was_said,
+    boilerplate,
+    content_words,
+    is_request,
+    only_asks,
+    sentences,
 )
-"""Words that carry no topic of their own in a chat (greetings, thanks, agreement)."""
-_NUMBER = re.compile(r"\d+")
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
-ASKS_CHARS = 2000  # what is read of a text for its questions and requests
-
-
-def content_words(text: str) -> list[str]:
-    """The words of ``text`` that can bear a topic: neither stop words nor acknowledgements,
-    at least two characters (a number counts whatever its length)."""
-    out: list[str] = []
-    for t in tokens(text):
-        w = t.lower()
-        if w in STOP_WORDS or w in ACKNOWLEDGEMENTS:
-            continue
-        if len(w) >= 2 or _NUMBER.fullmatch(w):
-            out.append(w)
-    return out
-
-
-QUESTION_WORDS = frozenset(
-    " ".join(
-        (
-            "what when where who whom whose which why how did do does is are was were can could",
-            "would will should have has remind tell",
-        )
-    ).split()
-)
-"""Words that open a question (or a request to be told something) in English."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,33 +101,6 @@ class Query:
 FIRST_PERSON = frozenset(["i", "me", "my", "mine", "myself", "we", "us", "our", "ours"])
 
 
-def is_question(text: str) -> bool:
-    """Whether ``text`` asks for something: it holds a question mark or opens with a question
-    word (English)."""
-    if "?" in text:
-        return True
-    first = next(iter(tokens(text[:200])), "").lower()
-    return first in QUESTION_WORDS
-
-
-GREETING_CHARS = 40
-"""A sentence longer than this is not a greeting (and is not read for one)."""
-
-
-def sentences(text: str) -> list[str]:
-    """``text``'s sentences, less greetings and thanks ("Hi!", "Thanks so much!": no
-    :func:`content_words` and no question mark), which neither ask nor tell anything."""
-    parts = _SENTENCE_END.split(text.strip())
-    return [p for p in parts if len(p) > GREETING_CHARS or "?" in p or content_words(p)]
-
-
-def asks_what_was_said(text: str) -> bool:
-    """Whether one of ``text``'s sentences is a question (:func:`is_question`) that is not a
-    request to the assistant (:func:`is_request`): "I'm moving at the end of the month. Can you
-    help me organise it?" is a statement and a task."""
-    return any(is_question(p) and not is_request(p) for p in sentences(text[:ASKS_CHARS]))
-
-
 def query_content(query: str) -> Query:
     """What the gate needs of the message."""
     own = any(t.lower() in FIRST_PERSON for t in tokens(query[:ASKS_CHARS]))
@@ -163,37 +108,6 @@ def query_content(query: str) -> Query:
     task = not question and any(is_request(p) for p in sentences(query[:ASKS_CHARS]))
     names = anchors(query) if task else None
     return Query(frozenset(content_words(query)), question, own, names)
-
-
-CALENDAR_WORDS = frozenset(
-    " ".join(
-        (
-            "monday tuesday wednesday thursday friday saturday sunday january february march",
-            "april may june july august september october november december today tomorrow",
-            "tonight yesterday week weekend day days morning afternoon evening night month year",
-        )
-    ).split()
-)
-"""Words a task names that are about when, not about what (English)."""
-_OWNERS = frozenset(["my", "our"])
-
-
-def anchors(text: str) -> frozenset[str]:
-    """What a message names that a memory could be about: a word written with a capital
-    inside a sentence ("a present for Hugo", "project Orchard") or after "my" / "our" ("my
-    sister"), neither a day nor a time word; lowercased. A task ("Can you summarise the plan
-    for Monday to Wednesday?", "How long before the guests arrive should I start cooking?") is
-    about the conversation at hand: it draws on memory only through what it names."""
-    out: set[str] = set()
-    for sentence in _SENTENCE_END.split(text[:ASKS_CHARS].strip()):
-        words = list(tokens(sentence))
-        for i, t in enumerate(words[1:], 1):
-            w = t.lower()
-            if w in CALENDAR_WORDS or w in STOP_WORDS or w in ACKNOWLEDGEMENTS:
-                continue
-            if t[:1].isupper() or words[i - 1].lower() in _OWNERS:
-                out.add(w)
-    return frozenset(out)
 
 
 STEM_CHARS = 4
@@ -281,54 +195,6 @@ class HitFeatures:
     baseline: float | None = None
 
 
-_OPENERS = r"(?:(?:hi|hello|hey|ok|okay|so|and|also|now|well|great|thanks|thank you)\b[\s,!.]*)*"
-# A lead of up to three words and no pronoun before it: "For Wednesday, suggest…", "Tonight,
-# can you…" (not "I went to Graz, can you believe it?").
-_LEAD = r"(?:(?:(?!(?:i|we|you|he|she|they|it)\b)[^\s,.!?]+\s+){0,2}[^\s,.!?]+,\s*)?"
-_REQUEST = re.compile(
-    _OPENERS
-    + _LEAD
-    + r"(?:(?:can|could|would|will) you\b(?! (?:please )?(?:remind|recall|remember)\b)"
-    r"|(?:please|help me|let'?s|let me)\b"
-    r"|(?:what|how|where|which|when) (?:should|can|could|do|would) (?:i|we)\b"
-    r"|any (?:ideas|tips|suggestions|advice)\b"
-    r"|(?:make|keep|give|suggest|tell me|show me|write|put|list|summari[sz]e|explain|translate"
-    r"|rewrite|use|fix)\b"
-    r"|(?:what|how|where|which|when|who)\b[^.!?]{0,60}?\b(?:should|shall) (?:i|we)\b)",
-    re.IGNORECASE,
-)
-_REQUEST_TAIL = re.compile(
-    r"[,;:\u2013\u2014-]\s*(?:(?:can|could|would|will) you (?:please )?(?:help|suggest|recommend"
-    r"|give|make|tell|show|list|write|plan|check|explain|summari[sz]e)\b"
-    r"|any (?:ideas|tips|suggestions|advice)\b|what do you (?:think|suggest|recommend)\b)"
-    r"[^.!?]{0,40}\?+\s*$",
-    re.IGNORECASE,
-)
-
-
-def is_request(text: str) -> bool:
-    """Whether ``text`` asks the assistant to do something: by its opening ("Can you help me
-    plan my week?", "What should I pack?", "How long before they arrive should I start
-    cooking?", "Make it shorter", "Any tips?") or by its closing words ("I'm planning a weekend
-    away, can you help?", "We land at nine, any ideas for the evening?"): a task, not a
-    question about what was said (no LoCoMo question is phrased so; English). "Can you remind
-    me…?" asks what was said."""
-    if _REQUEST.match(text.lstrip()[:200]) is not None:  # its opening words
-        return True
-    return _REQUEST_TAIL.search(text.rstrip()[-80:]) is not None  # or its closing ones
-
-
-def only_asks(text: str) -> bool:
-    """Whether every sentence of ``text`` is a question or a request to the assistant: such a
-    turn tells nothing to recall ("Any tips for the first month?", "Make that shorter please.",
-    "Which dish did I say was my favourite?"; on LoCoMo 0.3 % of the evidence, in a chat the
-    user's earlier requests to the assistant)."""
-    if len(text) > ASKS_CHARS:  # a long turn says something (and is not split on every read)
-        return False
-    parts = sentences(text)
-    return bool(parts) and all(p.rstrip().endswith("?") or is_request(p) for p in parts)
-
-
 def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[int]:
     """Indexes of the ``hits`` (best first) that bear on the message (:func:`query_content`),
     in their order."""
@@ -354,6 +220,8 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             continue  # no closer to the message than an empty turn of its speaker
         said = content_words(h.content)
         if len(said) < g.min_words or only_asks(h.content):
+            continue
+        if h.role == "assistant" and boilerplate(h.content):
             continue
         words[i] = frozenset(said)
         extra = g.assistant_extra if h.role == "assistant" else 0.0

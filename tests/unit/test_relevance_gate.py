@@ -5,15 +5,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from proxy.search.phrasing import anchors, content_words, is_question, is_request, only_asks
 from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
     admit,
-    anchors,
-    content_words,
-    is_question,
-    is_request,
-    only_asks,
     query_content,
     shares_word,
 )
@@ -103,6 +99,25 @@ def test_a_task_draws_on_memory_only_through_what_it_names() -> None:
     # a statement is no task: its shared word is enough
     q = query_content("I might cook something on Monday.")
     assert q.anchors is None and admit(q, [hit(0.7, content=cook)], G) == [0]
+
+
+def test_a_models_boilerplate_is_never_a_memory() -> None:
+    """The chat bench's small model answered "When is the deadline…" turns with "I'm sorry for
+    any confusion, but as a personal assistant…": the user's own words stay, the reply goes."""
+    q = query_content("When is the deadline for project Orchard?")
+    mine = "At work I'm now leading project Orchard, the rewrite of the warehouse app."
+    for reply in (
+        "I'm sorry for any confusion, but as a personal assistant, I help with projects.",
+        "As an AI language model, I can't know the deadline of project Orchard.",
+        "I apologize for the misunderstanding. Project Orchard is due soon.",
+    ):
+        hits = [hit(0.7, content=mine), hit(0.7, role="assistant", content=reply)]
+        assert admit(q, hits, G) == [0], reply
+    # the same words later in a reply, or said by a person, are not boilerplate
+    later = "Project Orchard is due in April. As an assistant I keep track of it."
+    assert admit(q, [hit(0.7, role="assistant", content=later)], G) == [0]
+    person = "As a personal assistant to the CEO, I run project Orchard's schedule."
+    assert admit(q, [hit(0.7, content=person)], G) == [0]
 
 
 def test_a_shared_word_is_the_same_word_or_one_starting_the_other() -> None:
@@ -266,7 +281,7 @@ def test_a_models_reply_the_users_kept_turns_say_between_them_goes() -> None:
 
 def test_a_models_reply_that_mostly_repeats_a_kept_hit_goes() -> None:
     q = query_content("When is the deadline for project Orchard?")
-    sorry = "I'm sorry for any confusion, but as a personal assistant, I help with projects"
+    sorry = "Orchard is an opportunity to showcase the potential of a business, built"
     hits = [
         hit(0.8, content="At work I'm now leading project Orchard, the warehouse app."),
         hit(0.75, role="assistant", content=sorry + " of every kind."),
@@ -274,7 +289,7 @@ def test_a_models_reply_that_mostly_repeats_a_kept_hit_goes() -> None:
         hit(0.65, role="assistant", content=sorry + " of any size, truly."),
         hit(0.6, role="assistant", content="Orchard's review with the client is in early April."),
     ]
-    # the second apology has 6 of its 8 words in the first: it goes; the last reply shares
+    # the second reply has 6 of its 8 words in the first: it goes; the last reply shares
     # "Orchard" and "April" with the kept hits, 2 of its 5 words, and stays
     assert admit(q, hits, G) == [0, 1, 2, 4]
     # a person's words stay whatever they repeat
