@@ -23,8 +23,10 @@ reads what is absolute beside the ranks and keeps a hit only when:
   a hit kept before it);
 - its vector agrees: a hit full-text search found needs a cosine to the query of at least
   ``min_cosine`` (``question_cosine`` for a question; a shared common word alone is no
-  relevance), one only the vector path found needs ``cosine_alone``. Without a cosine (the
-  vector path did not run, or the turn has no vector yet) a full-text hit passes on its rank;
+  relevance), one only the vector path found needs ``cosine_alone``, and so does one that
+  shares only a vague word with the message (:func:`only_vague`: "new", "one", "thing").
+  Without a cosine (the vector path did not run, or the turn has no vector yet) a full-text
+  hit passes on its rank;
 - a question (:func:`is_question`: "when did I…?", "remind me…", but not a request to the
   assistant, :func:`is_request`: "Can you help me plan…?") asks for what was said: every
   hit over ``question_cosine`` goes whose fused score is at least ``question_share`` of the
@@ -145,6 +147,20 @@ def shares_word(terms: frozenset[str], said: Sequence[str]) -> bool:
     return False
 
 
+VAGUE_WORDS = frozenset(
+    ["new", "one", "thing", "things", "something", "anything", "everything", "someone"]
+)
+"""Light words that say nothing of what a turn is about (English)."""
+
+
+def only_vague(terms: frozenset[str], said: Sequence[str]) -> bool:
+    """Whether a hit shares with the message only vague words (:data:`VAGUE_WORDS`): full-text
+    search matched "What's the name of our new pet again?" to "Hi, I'm moving to a new flat…"
+    by "new" alone, so such a hit needs the cosine of one the vector alone found (on LoCoMo
+    this costs no evidence; counting the light verbs too, "make", "want", cost 0.003)."""
+    return not shares_word(terms, said) and any(w in VAGUE_WORDS and w in terms for w in said)
+
+
 @dataclass(frozen=True)
 class GateSettings:
     """The gate's thresholds (see the module's docstring); ``enabled`` False passes all."""
@@ -235,7 +251,7 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
             ok = False  # a task's memory is about something it names
         elif h.cosine is None:
             ok = h.fts is not None and query.words > 0
-        elif query.words == 0 or h.fts is None:
+        elif query.words == 0 or h.fts is None or only_vague(query.terms, said):
             ok = h.cosine >= g.cosine_alone + extra
         else:
             ok = h.cosine >= bar_here + extra

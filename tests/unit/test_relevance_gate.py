@@ -120,6 +120,18 @@ def test_a_models_boilerplate_is_never_a_memory() -> None:
     assert admit(q, [hit(0.7, content=person)], G) == [0]
 
 
+def test_a_questions_hit_that_shares_only_a_vague_word_needs_a_close_meaning() -> None:
+    """The chat bench's "What's the name of our new pet again?" drew "Hi, I'm moving to a new
+    flat…" (full-text search on "new", cosine 0.23) beside the cat."""
+    q = query_content("What's the name of our new pet again?")
+    cat = hit(0.6, content="We adopted a cat last week! We called it Ziggy.")  # no word shared
+    flat = "Hi, I'm moving to a new flat at the end of the month."
+    assert admit(q, [cat, hit(0.23, content=flat)], G) == [0]
+    assert admit(q, [cat, hit(0.55, content=flat)], G) == [0, 1]  # as close as a vector's hit
+    new_pet = "The new pet sleeps all day."  # "pet" is a word of its own
+    assert admit(q, [cat, hit(0.23, content=new_pet)], G) == [0, 1]
+
+
 def test_a_shared_word_is_the_same_word_or_one_starting_the_other() -> None:
     terms = query_content("I'm cooking on Thursdays").terms
     assert shares_word(terms, ["cook", "pasta"]) and shares_word(terms, ["thursday"])
