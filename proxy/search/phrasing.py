@@ -156,13 +156,16 @@ _BOILERPLATE = re.compile(
 )
 
 
+BOILERPLATE_CHARS = 300  # what is read of a reply's start for its boilerplate
+
+
 def boilerplate(text: str) -> bool:
     """Whether a model's reply opens with its boilerplate: its first sentence apologises for
     a confusion or says what the model is ("I'm sorry for any confusion, but as a personal
     assistant, I specialize in…", "As an AI language model, I…"). Such a reply tells nothing of
     the user's (a small local model answers so to half a chat); none of LoCoMo's 5,882 turns
     opens so (English)."""
-    first = _SENTENCE_END.split(text.lstrip()[:ASKS_CHARS], maxsplit=1)[0]
+    first = _SENTENCE_END.split(text.lstrip()[:BOILERPLATE_CHARS], maxsplit=1)[0]
     return _BOILERPLATE.search(first) is not None
 
 

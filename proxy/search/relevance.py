@@ -158,7 +158,8 @@ def only_vague(terms: frozenset[str], said: Sequence[str]) -> bool:
     search matched "What's the name of our new pet again?" to "Hi, I'm moving to a new flat…"
     by "new" alone, so such a hit needs the cosine of one the vector alone found (on LoCoMo
     this costs no evidence; counting the light verbs too, "make", "want", cost 0.003)."""
-    return not shares_word(terms, said) and any(w in VAGUE_WORDS and w in terms for w in said)
+    vague = VAGUE_WORDS & terms
+    return bool(vague) and any(w in vague for w in said) and not shares_word(terms, said)
 
 
 @dataclass(frozen=True)
