@@ -71,11 +71,16 @@ def sentences(text: str) -> list[str]:
     return [p for p in parts if len(p) > GREETING_CHARS or "?" in p or content_words(p)]
 
 
-def asks_what_was_said(text: str) -> bool:
-    """Whether one of ``text``'s sentences is a question (:func:`is_question`) that is not a
-    request to the assistant (:func:`is_request`): "I'm moving at the end of the month. Can you
-    help me organise it?" is a statement and a task."""
-    return any(is_question(p) and not is_request(p) for p in sentences(text[:ASKS_CHARS]))
+def what_it_asks(text: str) -> tuple[bool, bool]:
+    """Whether ``text`` asks what was said (one of its sentences is a question,
+    :func:`is_question`, that is not a request to the assistant, :func:`is_request`) and, when
+    it does not, whether it asks the assistant to do something (a task): "I'm moving at the end
+    of the month. Can you help me organise it?" is a statement and a task. Its sentences are
+    read once for both."""
+    parts = sentences(text[:ASKS_CHARS])
+    requests = [is_request(p) for p in parts]
+    question = any(is_question(p) and not r for p, r in zip(parts, requests, strict=True))
+    return question, not question and any(requests)
 
 
 CALENDAR_WORDS = frozenset(

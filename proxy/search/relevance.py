@@ -74,12 +74,10 @@ from proxy.search.fts_query import tokens
 from proxy.search.phrasing import (
     ASKS_CHARS,
     anchors,
-    asks_what_was_said,
     boilerplate,
     content_words,
-    is_request,
     only_asks,
-    sentences,
+    what_it_asks,
 )
 
 
@@ -106,8 +104,7 @@ FIRST_PERSON = frozenset(["i", "me", "my", "mine", "myself", "we", "us", "our", 
 def query_content(query: str) -> Query:
     """What the gate needs of the message."""
     own = any(t.lower() in FIRST_PERSON for t in tokens(query[:ASKS_CHARS]))
-    question = asks_what_was_said(query)
-    task = not question and any(is_request(p) for p in sentences(query[:ASKS_CHARS]))
+    question, task = what_it_asks(query)
     names = anchors(query) if task else None
     return Query(frozenset(content_words(query)), question, own, names)
 
