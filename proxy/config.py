@@ -350,6 +350,18 @@ class RetrievalSettings:
         min=0,
         max=3,
     )
+    question_neighbours: int = opt(
+        3,
+        "A question's best memories (this many, as the gate passed them) bring the turns just "
+        "before and after them, same session, when those say something (content words, not a "
+        "question alone, not a model's boilerplate) and are not already in the prompt: the "
+        'answer often sits next to the turn that names the topic ("Congrats on the '
+        'promotion!" follows the news). bench.replay (stable, 4,096 tokens): questions with '
+        "all their evidence in the prompt 0.678 -> 0.699 with 3 (0.713 with 5), memory "
+        "tokens a request 348 -> 395 (436).",
+        min=0,
+        max=20,
+    )
     mmr: bool = opt(False, "Re-rank with Maximal Marginal Relevance for diversity.")
     mmr_lambda: float = opt(
         0.5, "MMR trade-off: 1 is pure relevance, 0 pure diversity.", min=0, max=1
@@ -404,9 +416,12 @@ class RetrievalSettings:
         max=1,
     )
     gate_question_cosine: float = opt(
-        0.2,
+        0.12,
         "Gate: the cosine to a question (a '?', or a question word first) a full-text hit "
-        "needs; a question's hits are not cut by rank or score share.",
+        "needs (MiniLM's cosine of a question to a long turn that answers it is often under "
+        "0.2; bench.gate: 0.12 keeps 0.961 of the top 20's evidence on LoCoMo against 0.944 "
+        "with 0.2, 0.896 against 0.877 stored as a chat app's archive, where 3.2 % of the "
+        "messages that need no memory get any against 2.9 %; bench.replay 0.652 -> 0.678).",
         min=-1,
         max=1,
     )

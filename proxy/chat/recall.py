@@ -29,7 +29,13 @@ from proxy.chat.turn import MemoryTurn, Why
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
-from proxy.search.relevance import GateSettings, HitFeatures, admit, query_content
+from proxy.search.relevance import (
+    GateSettings,
+    HitFeatures,
+    admit,
+    query_content,
+    says_something,
+)
 from proxy.search.retrieval import Hit, RecallTimeout, Retriever
 from proxy.store import corrections, queries, scaffolds
 from proxy.store.items import session_items
@@ -222,6 +228,7 @@ class Recall:
             return extra
         if degraded:
             mt.memory_note = degraded[0]  # "fts-only": the query vector came too late
+        asks = query_content(query)
         if self.gate.enabled and hits:
             base = await self._baselines(hits, mt.query_vector)
             features = [
@@ -231,13 +238,20 @@ class Recall:
                 )
                 for i, h in enumerate(hits)
             ]  # fmt: skip
-            hits = [hits[i] for i in admit(query_content(query), features, self.gate)]
+            hits = [hits[i] for i in admit(asks, features, self.gate)]
         near: dict[int, list[Recalled]] = {}
-        if s.neighbours > 0 and hits:
-            try:
+        try:
+            if s.neighbours > 0 and hits:
                 near = await self.neighbours(mt.identity.user, hits, s.neighbours, wanted)
-            except Exception:  # the hits alone still help
-                log.exception("reading neighbour turns failed; recalling the hits alone")
+            elif asks.question and s.question_neighbours > 0 and hits:
+
+                def says(role: str, content: str) -> bool:
+                    return wanted(role, content) and says_something(role, content, self.gate)
+
+                top = hits[: s.question_neighbours]
+                near = await self.neighbours(mt.identity.user, top, 1, says, shown)
+        except Exception:  # the hits alone still help
+            log.exception("reading neighbour turns failed; recalling the hits alone")
         out = list(extra)
         seen = {m.id for m in extra}
         repeated = await self.repeated(mt.identity.user, [h.turn for h in hits])
@@ -307,10 +321,12 @@ class Recall:
         hits: Sequence[Hit],
         n: int,
         wanted: Callable[[str, str], bool],
+        shown: Collection[int] = (),
     ) -> dict[int, list[Recalled]]:
-        """Each hit's same-session neighbours (positions ±1..n) that ``wanted`` keeps, by hit id:
-        nearest first, the next turn before the previous one; each scores slightly below its hit.
-        One store read for all hits. Memory items (negative positions) have no neighbours."""
+        """Each hit's same-session neighbours (positions ±1..n) that ``wanted`` keeps and that are
+        not ``shown``, by hit id: nearest first, the next turn before the previous one; each
+        scores slightly below its hit. One store read for all hits. Memory items (negative
+        positions) have no neighbours."""
         offsets = [d for i in range(1, n + 1) for d in (i, -i)]
         places = places_near([h.turn for h in hits], offsets)
         found = await self.store.read(lambda c: queries.turns_at(c, user, places))
@@ -320,7 +336,12 @@ class Recall:
                 continue
             for d in offsets:
                 t = found.get((h.turn.session_id, h.turn.position + d))
-                if t is not None and t.recall >= 0 and wanted(t.role, t.content):
+                if (
+                    t is not None
+                    and t.recall >= 0
+                    and t.id not in shown
+                    and wanted(t.role, t.content)
+                ):
                     score = h.score * (1 - 0.01 * abs(d))
                     out.setdefault(h.turn.id, []).append(recalled(t, score))
         return out

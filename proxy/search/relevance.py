@@ -166,7 +166,7 @@ class GateSettings:
     enabled: bool = True
     min_share: float = 0.8
     min_cosine: float = 0.5
-    question_cosine: float = 0.2
+    question_cosine: float = 0.12
     cosine_alone: float = 0.5
     assistant_extra: float = 0.03
     min_words: int = 2
@@ -209,6 +209,17 @@ class HitFeatures:
     baseline: float | None = None
 
 
+def says_something(
+    role: str, content: str, g: GateSettings, said: Sequence[str] | None = None
+) -> bool:
+    """Whether a turn can be a memory at all: it holds ``g.min_words`` content words (``said``,
+    when already read), does not only ask, and is no model's boilerplate."""
+    words = content_words(content) if said is None else said
+    if len(words) < g.min_words or only_asks(content):
+        return False
+    return not (role == "assistant" and boilerplate(content))
+
+
 def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[int]:
     """Indexes of the ``hits`` (best first) that bear on the message (:func:`query_content`),
     in their order."""
@@ -233,9 +244,7 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
         if lift is not None and lift < g.min_lift:
             continue  # no closer to the message than an empty turn of its speaker
         said = content_words(h.content)
-        if len(said) < g.min_words or only_asks(h.content):
-            continue
-        if h.role == "assistant" and boilerplate(h.content):
+        if not says_something(h.role, h.content, g, said):
             continue
         words[i] = frozenset(said)
         extra = g.assistant_extra if h.role == "assistant" else 0.0

@@ -1,4 +1,6 @@
-"""retrieval.neighbours: a recalled turn brings its same-session neighbours into memory."""
+"""retrieval.neighbours: a recalled turn brings its same-session neighbours into memory;
+retrieval.question_neighbours: so do a question's best memories, when the turn beside says
+something."""
 
 from __future__ import annotations
 
@@ -32,8 +34,15 @@ QUESTION = {"role": "user", "content": "What does Biscuit the ferret love?"}
 ANSWER = "octopus"
 
 
-async def engram_with(fake: FakeUpstream, neighbours: int) -> Engram:
-    return await start_engram(fake.url, retrieval={"top_k": 1, "neighbours": neighbours})
+async def engram_with(fake: FakeUpstream, neighbours: int, question_neighbours: int = 0) -> Engram:
+    return await start_engram(
+        fake.url,
+        retrieval={
+            "top_k": 1,
+            "neighbours": neighbours,
+            "question_neighbours": question_neighbours,
+        },
+    )
 
 
 @pytest_asyncio.fixture
@@ -63,7 +72,9 @@ async def test_next_turn_of_a_recalled_turn_is_injected(
     assert r.headers["X-Engram-Memories"] == "2"
 
 
-async def test_no_neighbours_by_default(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+async def test_no_neighbours_when_both_settings_are_0(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
     engram = await engram_with(fake, 0)
     try:
         await remember(http, engram)
@@ -139,3 +150,73 @@ async def test_subagent_neighbours_stay_in_its_own_session(
     text = json.dumps(sent)
     assert "walnut" in text  # its own hit's neighbour came back
     assert ANSWER not in text and "Guess what" not in text  # never the parent's turns
+
+
+async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """With the defaults (neighbours 0, question_neighbours 3) a question's hit brings the
+    turn after it; the turn two away does not come, nor does a bare acknowledgement beside a
+    hit, nor a neighbour for a message that does not ask."""
+    engram = await start_engram(fake.url, retrieval={"top_k": 1})
+    try:
+        await remember(http, engram)
+        await chat(
+            http,
+            engram,
+            [
+                SYSTEM,
+                {"role": "user", "content": "My parrot Kiwi whistles the anthem at dawn."},
+                {"role": "assistant", "content": "ok!"},
+                {"role": "user", "content": "Unrelated again: the tram was late today."},
+            ],
+            user="alice",
+        )
+        await settle(engram)
+        fake.reply_text = lambda last: ""  # the fake's replies are not archived as turns
+        _, r = await chat(http, engram, [SYSTEM, QUESTION], user="alice")
+        block = forwarded_system(fake)
+        assert "Biscuit" in block and ANSWER in block and "drizzle" not in block
+        assert r.headers["X-Engram-Memories"] == "2"
+        # the hit's neighbour says nothing ("ok!"): the hit alone
+        _, r = await chat(
+            http,
+            engram,
+            [SYSTEM, {"role": "user", "content": "What does Kiwi whistle?"}],
+            user="alice",
+        )
+        block = forwarded_system(fake)
+        assert "anthem" in block and "ok!" not in block and "tram" not in block
+        assert r.headers["X-Engram-Memories"] == "1"
+        # a statement: its memory comes alone
+        statement = {"role": "user", "content": "Guess what: my ferret Biscuit loves most toys."}
+        await chat(http, engram, [SYSTEM, statement], user="alice")
+        assert "Biscuit loves most" in forwarded_system(fake)
+        assert ANSWER not in json.dumps(fake.chat_requests()[-1].json())
+    finally:
+        await engram.close()
+
+
+async def test_a_neighbour_the_conversation_already_shows_is_not_laid_again(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """Once per conversation: a second question's hit next to a turn an earlier block of the
+    same conversation shows does not bring that turn again."""
+    engram = await start_engram(fake.url, retrieval={"top_k": 1})
+    try:
+        fake.reply_text = lambda last: ""  # no reply stored: the drizzle turn ends the chat
+        await remember(http, engram)
+        fake.reply_text = lambda last: "Noted, a fine question."
+        messages = [SYSTEM, QUESTION]
+        body, _ = await chat(http, engram, messages, user="alice")
+        assert ANSWER in forwarded_system(fake)
+        messages += [
+            body["choices"][0]["message"],
+            {"role": "user", "content": "And the gloomy drizzle, what was unrelated today?"},
+        ]
+        await chat(http, engram, messages, user="alice")
+        sent = json.dumps(fake.chat_requests()[-1].json()["messages"])
+        assert "drizzle again today" in sent  # the new hit, beside the octopus turn
+        assert sent.count(ANSWER) == 1  # laid once, with the first question
+    finally:
+        await engram.close()
