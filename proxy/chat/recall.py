@@ -29,11 +29,13 @@ from proxy.chat.turn import MemoryTurn, Why
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
+from proxy.search.phrasing import content_words
 from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
     admit,
     query_content,
+    repeats,
     says_something,
 )
 from proxy.search.retrieval import Hit, RecallTimeout, Retriever
@@ -96,6 +98,32 @@ def recalled(turn: Turn, score: float) -> Recalled:
     return Recalled(
         turn.id, turn.role, turn.speaker, turn.content, turn.timestamp, turn.session_id, score
     )
+
+
+def new_words(hits: Sequence[Hit], near: Mapping[int, list[Recalled]]) -> dict[int, list[Recalled]]:
+    """``near`` (neighbours by hit id) less a model's replies that say nothing the kept turns do
+    not (:func:`~proxy.search.relevance.repeats`): "The new garage door code is 8042." beside
+    the user's "Note for later: the new garage door code is 8042."."""
+    turns = [(h.turn.role, h.turn.content) for h in hits]
+    turns += [(m.role, m.content) for ms in near.values() for m in ms]
+    said: set[str] = set()
+    kept: list[frozenset[str]] = []
+    for role, content in turns:
+        words = frozenset(content_words(content))
+        kept.append(words)
+        if role != "assistant":
+            said |= words
+    return {
+        hit: [
+            m
+            for m in ms
+            if m.role != "assistant"
+            or not repeats(
+                mine := frozenset(content_words(m.content)), said, [k for k in kept if k != mine]
+            )
+        ]
+        for hit, ms in near.items()
+    }
 
 
 class Recall:
@@ -249,7 +277,7 @@ class Recall:
                     return wanted(role, content) and says_something(role, content, self.gate)
 
                 top = hits[: s.question_neighbours]
-                near = await self.neighbours(mt.identity.user, top, 1, says, shown)
+                near = new_words(hits, await self.neighbours(mt.identity.user, top, 1, says, shown))
         except Exception:  # the hits alone still help
             log.exception("reading neighbour turns failed; recalling the hits alone")
         out = list(extra)

@@ -67,6 +67,7 @@ LoCoMo's questions and on messages that need no memory.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,13 +294,17 @@ def distinct(
             said |= words[i]
     shown: list[int] = []
     for i in out:
-        mine = words[i]
-        if hits[i].role == "assistant" and (
-            mine <= said or any(len(mine & words[j]) >= REPEATS_SHARE * len(mine) for j in shown)
-        ):
+        if hits[i].role == "assistant" and repeats(words[i], said, [words[j] for j in shown]):
             continue
         shown.append(i)
     return shown
+
+
+def repeats(mine: frozenset[str], said: AbstractSet[str], kept: Sequence[frozenset[str]]) -> bool:
+    """Whether a model's reply with the content words ``mine`` says nothing new: the user's
+    kept turns hold all its words between them (``said``), or one kept memory (``kept``) holds
+    :data:`REPEATS_SHARE` of them."""
+    return mine <= said or any(len(mine & other) >= REPEATS_SHARE * len(mine) for other in kept)
 
 
 def _distinct_pairs(
