@@ -195,7 +195,7 @@ def grid(base: GateSettings) -> list[GateSettings]:
     out = [base, dataclasses.replace(base, enabled=False)]
     for lift in (-2.0, 0.0, 0.02, 0.05, 0.08, 0.1, 0.15):
         out.append(dataclasses.replace(base, min_lift=lift))
-    for question in (0.22, 0.25, 0.28, 0.3, 0.35):
+    for question in (0.08, 0.12, 0.16, 0.2, 0.25, 0.3):
         for extra in (0.0, 0.03, 0.05):
             out.append(dataclasses.replace(base, question_cosine=question, assistant_extra=extra))
     for rel in (0.7, 0.8, 0.85):
