@@ -29,7 +29,7 @@ from proxy.chat.turn import MemoryTurn, Why
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
-from proxy.search.phrasing import content_words
+from proxy.search.phrasing import asked_words, content_words
 from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
@@ -276,7 +276,14 @@ class Recall:
                 def says(role: str, content: str) -> bool:
                     return wanted(role, content) and says_something(role, content, self.gate)
 
-                top = hits[: s.question_neighbours]
+                # A hit that holds every word the question asks about is its answer, as far
+                # as the store can tell: its neighbours would add only what was said beside it.
+                asked = asked_words(query)
+                top = [
+                    h
+                    for h in hits[: s.question_neighbours]
+                    if not asked or not asked <= set(content_words(h.turn.content))
+                ]
                 near = new_words(hits, await self.neighbours(mt.identity.user, top, 1, says, shown))
         except Exception:  # the hits alone still help
             log.exception("reading neighbour turns failed; recalling the hits alone")

@@ -71,6 +71,35 @@ def sentences(text: str) -> list[str]:
     return [p for p in parts if len(p) > GREETING_CHARS or "?" in p or content_words(p)]
 
 
+SAYING_WORDS = frozenset(
+    [
+        "say",
+        "said",
+        "says",
+        "tell",
+        "told",
+        "mention",
+        "mentioned",
+        "remind",
+        "remember",
+        "recall",
+        "again",
+    ]
+)
+"""Words of a question about what was said that the turn which said it does not hold."""
+
+
+def asked_words(text: str) -> frozenset[str]:
+    """The content words of ``text``'s questions (its first :data:`ASKS_CHARS` characters),
+    less :data:`SAYING_WORDS`: what a turn that answers it is about ("Which dish did I say
+    was my favourite?": dish, favourite)."""
+    out: set[str] = set()
+    for sentence in sentences(text[:ASKS_CHARS]):
+        if is_question(sentence):
+            out.update(w for w in content_words(sentence) if w not in SAYING_WORDS)
+    return frozenset(out)
+
+
 def what_it_asks(text: str) -> tuple[bool, bool]:
     """Whether ``text`` asks what was said (one of its sentences is a question,
     :func:`is_question`, that is not a request to the assistant, :func:`is_request`) and, when
