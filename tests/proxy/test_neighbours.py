@@ -30,8 +30,9 @@ PAST: list[dict[str, Any]] = [
     {"role": "assistant", "content": "Probably a tangerine squeaky octopus toy."},
     {"role": "user", "content": "Right! Unrelated: gloomy drizzle again today."},
 ]
-QUESTION = {"role": "user", "content": "What does Biscuit the ferret love?"}
+QUESTION = {"role": "user", "content": "What toy does Biscuit the ferret love?"}
 ANSWER = "octopus"
+ASKED = {"X-Engram-Memory": "read-only"}  # the question is not archived
 
 
 async def engram_with(fake: FakeUpstream, neighbours: int, question_neighbours: int = 0) -> Engram:
@@ -174,25 +175,25 @@ async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
         )
         await settle(engram)
         fake.reply_text = lambda last: ""  # the fake's replies are not archived as turns
-        _, r = await chat(http, engram, [SYSTEM, QUESTION], user="alice")
-        block = forwarded_system(fake)
+
+        async def ask(text: str) -> tuple[str, str]:
+            message = {"role": "user", "content": text}
+            _, r = await chat(http, engram, [SYSTEM, message], user="alice", headers=ASKED)
+            return forwarded_system(fake), r.headers["X-Engram-Memories"]
+
+        block, count = await ask(QUESTION["content"])
         assert "Biscuit" in block and ANSWER in block and "drizzle" not in block
-        assert r.headers["X-Engram-Memories"] == "2"
+        assert count == "2"
         # the hit's neighbour says nothing ("ok!"): the hit alone
-        _, r = await chat(
-            http,
-            engram,
-            [SYSTEM, {"role": "user", "content": "What does Kiwi whistle?"}],
-            user="alice",
-        )
-        block = forwarded_system(fake)
+        block, count = await ask("What does Kiwi whistle?")
         assert "anthem" in block and "ok!" not in block and "tram" not in block
-        assert r.headers["X-Engram-Memories"] == "1"
+        assert count == "1"
+        # a hit that holds every word the question asks about is its answer: no neighbours
+        block, count = await ask("Who is my ferret Biscuit?")
+        assert "Biscuit loves most" in block and ANSWER not in block
         # a statement: its memory comes alone
-        statement = {"role": "user", "content": "Guess what: my ferret Biscuit loves most toys."}
-        await chat(http, engram, [SYSTEM, statement], user="alice")
-        assert "Biscuit loves most" in forwarded_system(fake)
-        assert ANSWER not in json.dumps(fake.chat_requests()[-1].json())
+        block, count = await ask("Guess what: my ferret Biscuit loves most toys.")
+        assert "Biscuit loves most" in block and ANSWER not in block
     finally:
         await engram.close()
 
