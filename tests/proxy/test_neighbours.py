@@ -157,8 +157,9 @@ async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
     fake: FakeUpstream, http: aiohttp.ClientSession
 ) -> None:
     """With the defaults (neighbours 0, question_neighbours 3) a question's hit brings the
-    turn after it; the turn two away does not come, nor does a bare acknowledgement beside a
-    hit, nor a neighbour for a message that does not ask."""
+    turn after it; the turn two away does not come, nor a turn beside a hit that only asks or
+    says nothing ("ok!"), nor any for a hit that holds every word the question asks about (its
+    answer, as far as the store can tell), nor any for a message that does not ask."""
     engram = await start_engram(fake.url, retrieval={"top_k": 1})
     try:
         await remember(http, engram)
@@ -167,9 +168,9 @@ async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
             engram,
             [
                 SYSTEM,
-                {"role": "user", "content": "My parrot Kiwi whistles the anthem at dawn."},
-                {"role": "assistant", "content": "ok!"},
-                {"role": "user", "content": "Unrelated again: the tram was late today."},
+                {"role": "user", "content": "Tell me a fun fact, can you?"},
+                {"role": "assistant", "content": "Parrots like Kiwi whistle anthems at dawn."},
+                {"role": "user", "content": "ok!"},
             ],
             user="alice",
         )
@@ -184,9 +185,9 @@ async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
         block, count = await ask(QUESTION["content"])
         assert "Biscuit" in block and ANSWER in block and "drizzle" not in block
         assert count == "2"
-        # the hit's neighbour says nothing ("ok!"): the hit alone
-        block, count = await ask("What does Kiwi whistle?")
-        assert "anthem" in block and "ok!" not in block and "tram" not in block
+        # the turns beside the hit only ask, or say nothing ("ok!"): the hit alone
+        block, count = await ask("What does Kiwi whistle at sunrise?")
+        assert "anthems" in block and "ok!" not in block and "fun fact" not in block
         assert count == "1"
         # a hit that holds every word the question asks about is its answer: no neighbours
         block, count = await ask("Who is my ferret Biscuit?")
