@@ -277,14 +277,15 @@ class Recall:
                     return wanted(role, content) and says_something(role, content, self.gate)
 
                 # A hit that holds every word the question asks about is its answer, as far
-                # as the store can tell: its neighbours would add only what was said beside it.
+                # as the store can tell: neighbours would add only what was said beside it.
                 asked = asked_words(query)
-                top = [
-                    h
-                    for h in hits[: s.question_neighbours]
-                    if not asked or not asked <= set(content_words(h.turn.content))
-                ]
-                near = new_words(hits, await self.neighbours(mt.identity.user, top, 1, says, shown))
+                answered = bool(asked) and any(
+                    asked <= set(content_words(h.turn.content)) for h in hits
+                )
+                if not answered:
+                    top = hits[: s.question_neighbours]
+                    beside = await self.neighbours(mt.identity.user, top, 1, says, shown)
+                    near = new_words(hits, beside)
         except Exception:  # the hits alone still help
             log.exception("reading neighbour turns failed; recalling the hits alone")
         out = list(extra)
