@@ -354,11 +354,13 @@ class RetrievalSettings:
         3,
         "A question's best memories (this many, as the gate passed them) bring the turns just "
         "before and after them, same session, when those say something (content words, not a "
-        "question alone, not a model's boilerplate) and are not already in the prompt: the "
-        'answer often sits next to the turn that names the topic ("Congrats on the '
-        'promotion!" follows the news). bench.replay (stable, 4,096 tokens): questions with '
-        "all their evidence in the prompt 0.678 -> 0.699 with 3 (0.713 with 5), memory "
-        "tokens a request 348 -> 395 (436).",
+        "question alone, not a model's boilerplate, not a model's reply that only repeats the "
+        "kept turns) and are not already in the prompt: the answer often sits next to the "
+        'turn that names the topic ("Congrats on the promotion!" follows the news). None when '
+        "a memory holds every word the question asks about (its answer, as far as the store "
+        "can tell). bench.replay (stable, 4,096 tokens): questions with all their evidence in "
+        "the prompt 0.678 -> 0.701 with 3 (0.713 with 5, before the last two rules), memory "
+        "tokens a request 348 -> 394 (436). 0: none.",
         min=0,
         max=20,
     )
