@@ -271,7 +271,9 @@ class Recall:
         try:
             if s.neighbours > 0 and hits:
                 near = await self.neighbours(mt.identity.user, hits, s.neighbours, wanted)
-            elif asks.question and s.question_neighbours > 0 and hits:
+            elif asks.question and not asks.own and s.question_neighbours > 0 and hits:
+                # (A question about the user's own life or words: the user's turns say it, and
+                # beside them in a chat sit the model's replies, which are no evidence of it.)
 
                 def says(role: str, content: str) -> bool:
                     return wanted(role, content) and says_something(role, content, self.gate)

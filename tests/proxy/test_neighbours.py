@@ -159,7 +159,8 @@ async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
     """With the defaults (neighbours 0, question_neighbours 3) a question's hit brings the
     turn after it; the turn two away does not come, nor a turn beside a hit that only asks or
     says nothing ("ok!"), nor any for a hit that holds every word the question asks about (its
-    answer, as far as the store can tell), nor any for a message that does not ask."""
+    answer, as far as the store can tell), nor any for a question about the user's own life
+    ("my ferret"), nor any for a message that does not ask."""
     engram = await start_engram(fake.url, retrieval={"top_k": 1})
     try:
         await remember(http, engram)
@@ -190,7 +191,10 @@ async def test_a_questions_best_memory_brings_the_turn_beside_it_by_default(
         assert "anthems" in block and "ok!" not in block and "fun fact" not in block
         assert count == "1"
         # a hit that holds every word the question asks about is its answer: no neighbours
-        block, count = await ask("Who is my ferret Biscuit?")
+        block, count = await ask("Who is the ferret Biscuit?")
+        assert "Biscuit loves most" in block and ANSWER not in block
+        # a question about the user's own life: beside the user's words sit a model's replies
+        block, count = await ask("What toy does my ferret Biscuit love?")
         assert "Biscuit loves most" in block and ANSWER not in block
         # a statement: its memory comes alone
         block, count = await ask("Guess what: my ferret Biscuit loves most toys.")
