@@ -100,10 +100,19 @@ def recalled(turn: Turn, score: float) -> Recalled:
     )
 
 
-def new_words(hits: Sequence[Hit], near: Mapping[int, list[Recalled]]) -> dict[int, list[Recalled]]:
-    """``near`` (neighbours by hit id) less a model's replies that say nothing the kept turns do
-    not (:func:`~proxy.search.relevance.repeats`): "The new garage door code is 8042." beside
-    the user's "Note for later: the new garage door code is 8042."."""
+def new_words(
+    hits: Sequence[Hit], near: Mapping[int, list[Recalled]], asked: Collection[str] = ()
+) -> dict[int, list[Recalled]]:
+    """``near`` (neighbours by hit id) less those that share no content word with their hit or
+    the question (``asked``: a model's reply to some earlier message sits before a user's turn
+    in a chat with a model) and a model's replies that say nothing the kept turns do not
+    (:func:`~proxy.search.relevance.repeats`): "The new garage door code is 8042." beside the
+    user's "Note for later: the new garage door code is 8042."."""
+    own = {h.turn.id: set(content_words(h.turn.content)) | set(asked) for h in hits}
+    near = {
+        hit: [m for m in ms if own.get(hit, set()) & set(content_words(m.content))]
+        for hit, ms in near.items()
+    }
     turns = [(h.turn.role, h.turn.content) for h in hits]
     turns += [(m.role, m.content) for ms in near.values() for m in ms]
     said: set[str] = set()
@@ -287,7 +296,7 @@ class Recall:
                 if not answered:
                     top = hits[: s.question_neighbours]
                     beside = await self.neighbours(mt.identity.user, top, 1, says, shown)
-                    near = new_words(hits, beside)
+                    near = new_words(hits, beside, asks.terms)
         except Exception:  # the hits alone still help
             log.exception("reading neighbour turns failed; recalling the hits alone")
         out = list(extra)

@@ -1,4 +1,5 @@
-"""recall.new_words: a question's neighbours that only repeat the kept turns stay out."""
+"""recall.new_words: a question's neighbours that only repeat the kept turns, or share no word
+with their hit or the question, stay out."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_a_models_echo_of_the_kept_turns_is_no_neighbour() -> None:
     beside = {
         1: [
             near(2, "assistant", "The new garage door code is 8042."),  # the user's words
-            near(0, "user", "The old one stopped working after the power cut on Sunday."),
+            near(0, "user", "The old garage code stopped working after the power cut."),
         ]
     }
     assert [m.id for m in new_words(hits, beside)[1]] == [0]
@@ -31,8 +32,8 @@ def test_a_reply_that_says_something_new_stays_and_so_does_a_users_turn() -> Non
     hits = [Hit(turn(1, "user", "Wow! What got you into running?"), 1.0, {})]
     beside = {
         1: [
-            near(2, "assistant", "My doctor suggested it after my knee surgery last spring."),
-            near(0, "user", "I ran my first marathon, got you a running medal too."),
+            near(2, "assistant", "My doctor suggested running after my knee surgery."),
+            near(0, "user", "I love running marathons, got you a medal too."),
         ]
     }
     assert [m.id for m in new_words(hits, beside)[1]] == [2, 0]
@@ -44,4 +45,19 @@ def test_a_reply_repeating_another_kept_reply_goes() -> None:
         Hit(turn(5, "assistant", "Lovely, a cat named Ziggy sounds playful and sweet."), 0.9, {}),
     ]
     beside = {1: [near(2, "assistant", "A cat named Ziggy sounds sweet and playful!")]}
+    assert new_words(hits, beside)[1] == []
+
+
+def test_a_neighbour_sharing_no_word_with_its_hit_or_the_question_goes() -> None:
+    """In a chat with a model, before a user's turn sits the model's reply to some other
+    message ("A starter, a main course and a dessert?" before the deadline)."""
+    hits = [Hit(turn(1, "user", "The deadline is the 16th of April, which is tight."), 1.0, {})]
+    beside = {
+        1: [
+            near(2, "user", "Project Orchard must ship its warehouse app first."),  # the question's
+            near(0, "assistant", "A starter, a main course and a dessert? That's a classic."),
+        ]
+    }
+    asked = {"deadline", "project", "orchard"}
+    assert [m.id for m in new_words(hits, beside, asked)[1]] == [2]
     assert new_words(hits, beside)[1] == []
