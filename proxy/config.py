@@ -355,14 +355,15 @@ class RetrievalSettings:
         "A question's best memories (this many, as the gate passed them) bring the turns just "
         "before and after them, same session, when those say something (content words, not a "
         "question alone, not a model's boilerplate, not a model's reply that only repeats the "
-        "kept turns) and are not already in the prompt: the answer often sits next to the "
+        "kept turns), share a word with their memory or the question, and are not already in "
+        "the prompt: the answer often sits next to the "
         'turn that names the topic ("Congrats on the promotion!" follows the news). None when '
         "a memory holds every word the question asks about (its answer, as far as the store "
         "can tell), nor for a question about the user's own life or words ('my dentist "
         "appointment': beside the user's turns sit a model's replies). bench.replay (stable, "
         "4,096 tokens): questions with all their evidence in "
-        "the prompt 0.678 -> 0.701 with 3 (0.713 with 5, before the last two rules), memory "
-        "tokens a request 348 -> 394 (436). 0: none.",
+        "the prompt 0.678 -> 0.691 with 3 (0.713 with 5, before the last three rules), memory "
+        "tokens a request 348 -> 371 (436). 0: none.",
         min=0,
         max=20,
     )
