@@ -24,18 +24,18 @@ from typing import Any
 
 from proxy import scaffold
 from proxy.cache import LRU
+from proxy.chat.beside import Words, new_words, places_near
 from proxy.chat.fence import Recalled
 from proxy.chat.turn import MemoryTurn, Why
 from proxy.config import Settings
 from proxy.messages import content_text, last_user_text
 from proxy.redact import redact
-from proxy.search.phrasing import asked_words, content_words
+from proxy.search.phrasing import asked_words
 from proxy.search.relevance import (
     GateSettings,
     HitFeatures,
     admit,
     query_content,
-    repeats,
     says_something,
 )
 from proxy.search.retrieval import Hit, RecallTimeout, Retriever
@@ -79,60 +79,11 @@ def words_recalled(role: str, content: str, repeated: frozenset[str]) -> str:
     return words
 
 
-def places_near(turns: Sequence[Turn], offsets: Sequence[int]) -> list[tuple[str, int]]:
-    """(session, position) of each turn's neighbours ``offsets`` away in its session, sorted;
-    memory items (negative positions) have none."""
-    return sorted(
-        {
-            (t.session_id, t.position + d)
-            for t in turns
-            if t.position >= 0
-            for d in offsets
-            if t.position + d >= 0
-        }
-    )
-
-
 def recalled(turn: Turn, score: float) -> Recalled:
     """A stored turn as a memory to show the model."""
     return Recalled(
         turn.id, turn.role, turn.speaker, turn.content, turn.timestamp, turn.session_id, score
     )
-
-
-def new_words(
-    hits: Sequence[Hit], near: Mapping[int, list[Recalled]], asked: Collection[str] = ()
-) -> dict[int, list[Recalled]]:
-    """``near`` (neighbours by hit id) less those that share no content word with their hit or
-    the question (``asked``: a model's reply to some earlier message sits before a user's turn
-    in a chat with a model) and a model's replies that say nothing the kept turns do not
-    (:func:`~proxy.search.relevance.repeats`): "The new garage door code is 8042." beside the
-    user's "Note for later: the new garage door code is 8042."."""
-    own = {h.turn.id: set(content_words(h.turn.content)) | set(asked) for h in hits}
-    near = {
-        hit: [m for m in ms if own.get(hit, set()) & set(content_words(m.content))]
-        for hit, ms in near.items()
-    }
-    turns = [(h.turn.role, h.turn.content) for h in hits]
-    turns += [(m.role, m.content) for ms in near.values() for m in ms]
-    said: set[str] = set()
-    kept: list[frozenset[str]] = []
-    for role, content in turns:
-        words = frozenset(content_words(content))
-        kept.append(words)
-        if role != "assistant":
-            said |= words
-    return {
-        hit: [
-            m
-            for m in ms
-            if m.role != "assistant"
-            or not repeats(
-                mine := frozenset(content_words(m.content)), said, [k for k in kept if k != mine]
-            )
-        ]
-        for hit, ms in near.items()
-    }
 
 
 class Recall:
@@ -266,6 +217,20 @@ class Recall:
         if degraded:
             mt.memory_note = degraded[0]  # "fts-only": the query vector came too late
         asks = query_content(query)
+        read = Words()
+        # A question's best memories bring the turns beside them (not one about the user's own
+        # life or words: the user's turns say it, and beside them in a chat sit the model's
+        # replies, which are no evidence of it). Those of its best few hits are read now, on a
+        # reader thread, while the gate reads the hits.
+        beside = s.neighbours <= 0 and asks.question and not asks.own and s.question_neighbours > 0
+        early = None
+        if beside and hits:
+            pre = [h.turn for h in hits[: 4 * s.question_neighbours]]
+            early = asyncio.ensure_future(
+                self.turns_at(mt.identity.user, places_near(pre, (1, -1)))
+            )
+            early.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await asyncio.sleep(0)  # the read starts
         if self.gate.enabled and hits:
             base = await self._baselines(hits, mt.query_vector)
             features = [
@@ -275,28 +240,27 @@ class Recall:
                 )
                 for i, h in enumerate(hits)
             ]  # fmt: skip
-            hits = [hits[i] for i in admit(asks, features, self.gate)]
+            hits = [hits[i] for i in admit(asks, features, self.gate, read)]
         near: dict[int, list[Recalled]] = {}
         try:
             if s.neighbours > 0 and hits:
                 near = await self.neighbours(mt.identity.user, hits, s.neighbours, wanted)
-            elif asks.question and not asks.own and s.question_neighbours > 0 and hits:
-                # (A question about the user's own life or words: the user's turns say it, and
-                # beside them in a chat sit the model's replies, which are no evidence of it.)
+            elif beside and early is not None and hits:
 
                 def says(role: str, content: str) -> bool:
-                    return wanted(role, content) and says_something(role, content, self.gate)
+                    return wanted(role, content) and says_something(
+                        role, content, self.gate, read(content)
+                    )
 
                 # A hit that holds every word the question asks about is its answer, as far
                 # as the store can tell: neighbours would add only what was said beside it.
                 asked = asked_words(query)
-                answered = bool(asked) and any(
-                    asked <= set(content_words(h.turn.content)) for h in hits
-                )
-                if not answered:
+                if not asked or not any(asked <= read.set(h.turn.content) for h in hits):
                     top = hits[: s.question_neighbours]
-                    beside = await self.neighbours(mt.identity.user, top, 1, says, shown)
-                    near = new_words(hits, beside, asks.terms)
+                    user = mt.identity.user
+                    rows = await early
+                    near = await self.neighbours(user, top, 1, says, shown, rows)
+                    near = new_words(hits, near, asks.terms, read)
         except Exception:  # the hits alone still help
             log.exception("reading neighbour turns failed; recalling the hits alone")
         out = list(extra)
@@ -369,20 +333,24 @@ class Recall:
         n: int,
         wanted: Callable[[str, str], bool],
         shown: Collection[int] = (),
+        found: Mapping[tuple[str, int], Turn | None] | None = None,
     ) -> dict[int, list[Recalled]]:
         """Each hit's same-session neighbours (positions ±1..n) that ``wanted`` keeps and that are
         not ``shown``, by hit id: nearest first, the next turn before the previous one; each
-        scores slightly below its hit. One store read for all hits. Memory items (negative
-        positions) have no neighbours."""
+        scores slightly below its hit. One store read for the places ``found`` (read earlier,
+        :meth:`turns_at`) lacks. Memory items (negative positions) have no neighbours."""
         offsets = [d for i in range(1, n + 1) for d in (i, -i)]
         places = places_near([h.turn for h in hits], offsets)
-        found = await self.store.read(lambda c: queries.turns_at(c, user, places))
+        known = dict(found or {})
+        missing = [p for p in places if p not in known]
+        if missing:
+            known.update(await self.turns_at(user, missing))
         out: dict[int, list[Recalled]] = {}
         for h in hits:
             if h.turn.position < 0:
                 continue
             for d in offsets:
-                t = found.get((h.turn.session_id, h.turn.position + d))
+                t = known.get((h.turn.session_id, h.turn.position + d))
                 if (
                     t is not None
                     and t.recall >= 0
@@ -392,6 +360,13 @@ class Recall:
                     score = h.score * (1 - 0.01 * abs(d))
                     out.setdefault(h.turn.id, []).append(recalled(t, score))
         return out
+
+    async def turns_at(
+        self, user: str, places: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], Turn | None]:
+        """The user's turns at these (session, position) places (None: no turn there)."""
+        found = await self.store.read(lambda c: queries.turns_at(c, user, places))
+        return {p: found.get(p) for p in places}
 
     def texts(self, messages: Sequence[Mapping[str, Any]]) -> set[str]:
         """Hashes of the messages' texts as archived (redacted) and as sent (their first

@@ -10,8 +10,8 @@ from typing import Any
 from aiohttp import web
 
 from proxy.api.views import clean_query, parse_k, parse_mode
+from proxy.chat.beside import places_near
 from proxy.chat.prompt import summary_text
-from proxy.chat.recall import places_near
 from proxy.chat.recent import ZONES, RequestView, zones
 from proxy.costs import describe
 from proxy.errors import NotFound, ServiceUnavailable

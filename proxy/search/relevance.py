@@ -66,7 +66,7 @@ LoCoMo's questions and on messages that need no memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -221,9 +221,15 @@ def says_something(
     return not (role == "assistant" and boilerplate(content))
 
 
-def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[int]:
+def admit(
+    query: Query,
+    hits: Sequence[HitFeatures],
+    g: GateSettings,
+    words_of: Callable[[str], Sequence[str]] = content_words,
+) -> list[int]:
     """Indexes of the ``hits`` (best first) that bear on the message (:func:`query_content`),
-    in their order."""
+    in their order. ``words_of``: :func:`content_words`, or one that remembers what it read
+    (recall reads a hit's words again after the gate)."""
     if not g.enabled:
         return list(range(len(hits)))
     if not hits:
@@ -244,7 +250,7 @@ def admit(query: Query, hits: Sequence[HitFeatures], g: GateSettings) -> list[in
         lift = None if h.cosine is None or h.baseline is None else h.cosine - h.baseline
         if lift is not None and lift < g.min_lift:
             continue  # no closer to the message than an empty turn of its speaker
-        said = content_words(h.content)
+        said = words_of(h.content)
         if not says_something(h.role, h.content, g, said):
             continue
         words[i] = frozenset(said)

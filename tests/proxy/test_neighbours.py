@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from proxy.chat.fence import BLOCK_OPEN
+from proxy.search.retrieval import Hit
 from proxy.services import SERVICES
 from proxy.store.queries import turns_at
 from testing.fake_upstream import FakeUpstream
@@ -224,5 +225,57 @@ async def test_a_neighbour_the_conversation_already_shows_is_not_laid_again(
         sent = json.dumps(fake.chat_requests()[-1].json()["messages"])
         assert "drizzle again today" in sent  # the new hit, beside the octopus turn
         assert sent.count(ANSWER) == 1  # laid once, with the first question
+    finally:
+        await engram.close()
+
+
+async def test_neighbours_read_what_the_read_ahead_lacks(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
+    """A question's neighbours are read ahead for its best hits before the gate; a place the
+    read ahead lacks (the gate admitted a hit further down) is read then, and a place read
+    ahead and found empty is not read again."""
+    engram = await start_engram(fake.url, retrieval={"top_k": 1})
+    try:
+        await remember(http, engram)
+        recall = engram.app[SERVICES].require_memory().memory.recall
+        store = recall.store
+        rows = await store.read(
+            lambda c: c.execute(
+                "SELECT session_id, position FROM turns WHERE content LIKE 'Guess what%'"
+            ).fetchall()
+        )
+        session, at = rows[0]
+        found = await recall.turns_at("alice", [(session, at), ("no such session", 0)])
+        assert found[("no such session", 0)] is None
+        guess = found[(session, at)]
+        assert guess is not None
+        hit = Hit(guess, 1.0, {})
+        chat_turns = lambda role, content: role in ("user", "assistant")  # noqa: E731
+        calls: list[str] = []
+        real = store.read
+
+        async def counted(fn: Any) -> Any:
+            calls.append("read")
+            return await real(fn)
+
+        store.read = counted  # type: ignore[method-assign]
+        try:
+
+            async def beside(ahead: Any = None) -> list[str]:
+                near = await recall.neighbours("alice", [hit], 1, chat_turns, (), ahead)
+                return [m.content for m in near.get(guess.id, [])]
+
+            answer = [PAST[2]["content"]]  # the turn before is the system prompt: not wanted
+            assert await beside() == answer and calls == ["read"]
+            places = [(session, at + 1), (session, at - 1)]
+            ahead = await real(lambda c: turns_at(c, "alice", places))
+            calls.clear()
+            assert await beside(ahead) == answer and calls == []  # all read ahead
+            assert await beside({places[1]: ahead[places[1]]}) == answer and calls == ["read"]
+            calls.clear()
+            assert await beside(dict.fromkeys(places)) == [] and calls == []  # read: empty
+        finally:
+            store.read = real  # type: ignore[method-assign]
     finally:
         await engram.close()

@@ -3,8 +3,8 @@ with their hit or the question, stay out."""
 
 from __future__ import annotations
 
+from proxy.chat.beside import new_words
 from proxy.chat.fence import Recalled
-from proxy.chat.recall import new_words
 from proxy.search.retrieval import Hit
 from proxy.store.models import Turn
 
