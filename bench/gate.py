@@ -195,6 +195,8 @@ def grid(base: GateSettings) -> list[GateSettings]:
     out = [base, dataclasses.replace(base, enabled=False)]
     for lift in (-2.0, 0.0, 0.02, 0.05, 0.08, 0.1, 0.15):
         out.append(dataclasses.replace(base, min_lift=lift))
+    for words in (8, 12, 15, 30, 1_000_000):
+        out.append(dataclasses.replace(base, lift_words=words))
     for question in (0.08, 0.12, 0.16, 0.2, 0.25, 0.3):
         for extra in (0.0, 0.03, 0.05):
             out.append(dataclasses.replace(base, question_cosine=question, assistant_extra=extra))
@@ -234,17 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "| gate | min share | min cosine | question cosine | cosine alone | assistant + |"
-        " min lift | evidence kept |"
+        " min lift | lift words | evidence kept |"
         " all kept | any kept | memories / question | no-memory msgs given any |"
         " memories / no-memory msg | chat archives: evidence kept | no-memory msgs given any |"
         " memories / no-memory msg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for g, r in sorted(rows, key=lambda x: -x[1]["evidence_kept"]):
         print(
             f"| {'on' if g.enabled else 'off'} | {g.min_share:.2f} | {g.min_cosine:.2f} |"
             f" {g.question_cosine:.2f} | {g.cosine_alone:.2f} | {g.assistant_extra:.2f} |"
-            f" {g.min_lift:.2f} |"
+            f" {g.min_lift:.2f} | {g.lift_words} |"
             f" {r['evidence_kept']:.3f} |"
             f" {r['all_kept']:.3f} | {r['any_kept']:.3f} | {r['per_question']:.1f} |"
             f" {r['negatives_with_any']:.3f} | {r['per_negative']:.2f} |"

@@ -50,7 +50,8 @@ reads what is absolute beside the ranks and keeps a hit only when:
   and the query as ``"user: <words>"``, and on short texts that start alone makes much of the
   cosine (in a chat app's archive every turn of the user starts ``"user: "``: "Okay, let's keep
   going." has cosine 0.62 to "…so let's keep it simple." and 0.62 to an empty ``"user: "``, 0.38
-  between the bare texts). A chat user's turn must be closer to the message than an empty
+  between the bare texts). A chat user's short turn (fewer than ``lift_words`` content words:
+  on a longer one its words make the cosine) must be closer to the message than an empty
   ``"user: "`` turn by ``min_lift`` (a named speaker's start is not the query's: ``baseline``
   None);
 - a model's own reply is evidence of what was said, not of what is true: an assistant turn needs
@@ -175,6 +176,7 @@ class GateSettings:
     best_cosine: float = 0.4
     question_share: float = 0.75
     min_lift: float = 0.02
+    lift_words: int = 20
 
     @classmethod
     def of(cls, retrieval: Any) -> GateSettings:
@@ -191,6 +193,7 @@ class GateSettings:
             retrieval.gate_best_cosine,
             retrieval.gate_question_share,
             retrieval.gate_min_lift,
+            retrieval.gate_lift_words,
         )
 
 
@@ -248,9 +251,9 @@ def admit(
         if h.score < floor and not close:
             continue
         lift = None if h.cosine is None or h.baseline is None else h.cosine - h.baseline
-        if lift is not None and lift < g.min_lift:
-            continue  # no closer to the message than an empty turn of its speaker
         said = words_of(h.content)
+        if lift is not None and lift < g.min_lift and len(said) < g.lift_words:
+            continue  # a short turn no closer to the message than an empty turn of its speaker
         if not says_something(h.role, h.content, g, said):
             continue
         words[i] = frozenset(said)

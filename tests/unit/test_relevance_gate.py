@@ -335,3 +335,25 @@ def test_a_hit_no_closer_than_an_empty_turn_of_its_speaker_goes() -> None:
     assert admit(q, [lifted], G) == []
     assert admit(q, [dataclasses.replace(hit(0.62), baseline=0.3)], G) == [0]
     assert admit(q, [hit(0.62)], G) == [0]  # no baseline known: the other bars alone
+
+
+def test_a_long_turn_goes_whatever_the_empty_turn_of_its_speaker() -> None:
+    """On a long turn its words make the cosine, not the shared "user: " start: a full-text
+    rank 1 answer ("…since I moved from my home country…" for "Where did Caroline move from 4
+    years ago?") is 0.013 below the empty turn and still goes; one word fewer than
+    ``lift_words`` and it does not."""
+    q = query_content("Where did Caroline move from 4 years ago?")
+    # three content words ("moved", "home", "country") and made-up ones up to the bar
+    short = "Moved from my home country, " + " ".join(f"w{i}x" for i in range(G.lift_words - 4))
+    long = short + " Sweden"
+    assert len(content_words(short)) == G.lift_words - 1
+    assert len(content_words(long)) == G.lift_words
+    close = hit(0.5, content="Caroline grew up abroad, in a small town by the sea.")
+
+    def kept(content: str, baseline: float) -> list[int]:
+        candidate = dataclasses.replace(hit(0.189, content=content), baseline=baseline)
+        return admit(q, [close, candidate], G)
+
+    assert kept(long, 0.202) == [0, 1]
+    assert kept(short, 0.202) == [0]
+    assert kept(short, 0.1) == [0, 1]
