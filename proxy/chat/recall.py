@@ -54,6 +54,9 @@ TEXT_CACHE = 50_000  # message texts whose hashes are remembered (clients resend
 TOOL_OUTPUT_ROLES = ("tool", "function")
 REPEATED_USERS = 1024  # users whose repeated paragraphs are kept in memory
 REPEATED_TTL = 30.0  # seconds a user's repeated paragraphs are kept before being read again
+READ_AHEAD = 4  # a question's hits whose neighbours are read before the gate, per one it keeps
+# (the gate drops many: its best three were among the search's best twelve in ~91 % of the
+# questions of bench.memory_load; the rest are read after it)
 PINNED_MAX = 10  # pinned turns recalled into a chat, the newest first
 PINNED_TTL = 5.0  # seconds a user's pinned turns are kept before being read again (other
 # processes, such as `engram pin`, pin without telling this one)
@@ -225,7 +228,7 @@ class Recall:
         beside = s.neighbours <= 0 and asks.question and not asks.own and s.question_neighbours > 0
         early = None
         if beside and hits:
-            pre = [h.turn for h in hits[: 4 * s.question_neighbours]]
+            pre = [h.turn for h in hits[: READ_AHEAD * s.question_neighbours]]
             early = asyncio.ensure_future(
                 self.turns_at(mt.identity.user, places_near(pre, (1, -1)))
             )
