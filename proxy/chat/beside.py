@@ -34,6 +34,7 @@ class Words:
 
     def __init__(self) -> None:
         self._read: dict[str, tuple[str, ...]] = {}
+        self._sets: dict[str, frozenset[str]] = {}
 
     def __call__(self, text: str) -> tuple[str, ...]:
         found = self._read.get(text)
@@ -42,8 +43,11 @@ class Words:
         return found
 
     def set(self, text: str) -> frozenset[str]:
-        """The words as a set."""
-        return frozenset(self(text))
+        """The words as a set (made once a text)."""
+        found = self._sets.get(text)
+        if found is None:
+            found = self._sets[text] = frozenset(self(text))
+        return found
 
 
 def new_words(
